@@ -1,0 +1,26 @@
+# Two commands do all the set-up on a fresh machine:
+#   make run    -> the main job (examples/run_tknp_decode.py; pass flags with ARGS="...")
+#   make test   -> the test suite
+# Both create .venv on first use. A torch that the system Python already imports is
+# reused (GPU clusters ship their own); otherwise torch==2.13.0 (CPU build) is installed.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: run test venv clean
+
+$(VENV)/.installed: setup.py tools/bootstrap_env.sh
+	bash tools/bootstrap_env.sh $(VENV)
+	touch $@
+
+venv: $(VENV)/.installed
+
+run: venv
+	$(PY) examples/run_tknp_decode.py $(ARGS)
+
+test: venv
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+clean:
+	rm -rf $(VENV)

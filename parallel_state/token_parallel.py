@@ -1,0 +1,140 @@
+"""Token-parallel process groups over Megatron's parallel state.
+
+Rank layout (Megatron order ``tp-cp-ep-dp-pp`` with pp = cp = ep = 1): the global rank of
+(node, tp_rank) is ``node * T + tp_rank``. TP groups are the T ranks of a node; the
+token-parallel group of a rank is the N ranks with its tp_rank (matching TP ranks across
+nodes), which carries the per-layer scatter / gather and the block handoffs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+
+
+@dataclass(frozen=True)
+class TokenParallelGroups:
+    """The groups and coordinates of one rank in an N x T pool.
+
+    Attributes:
+        num_nodes: N, the token-parallel world size.
+        tp_size: T, ranks per node.
+        node: this rank's node id (its token-parallel rank).
+        tp_rank: this rank's rank inside its node.
+        tp_group: Megatron's tensor-parallel group (the node).
+        tknp_group: the N ranks sharing ``tp_rank``, ordered by node.
+    """
+
+    num_nodes: int
+    tp_size: int
+    node: int
+    tp_rank: int
+    tp_group: dist.ProcessGroup
+    tknp_group: dist.ProcessGroup
+
+    def global_rank(self, node: int, tp_rank: Optional[int] = None) -> int:
+        """Global rank of (node, tp_rank); tp_rank defaults to this rank's."""
+        tp_rank = self.tp_rank if tp_rank is None else tp_rank
+        if not (0 <= node < self.num_nodes and 0 <= tp_rank < self.tp_size):
+            raise ValueError(
+                f"(node={node}, tp_rank={tp_rank}) outside the {self.num_nodes}x{self.tp_size} pool"
+            )
+        return node * self.tp_size + tp_rank
+
+    @property
+    def tknp_ranks(self) -> Tuple[int, ...]:
+        """Global ranks of this rank's token-parallel group, by node."""
+        return tuple(self.global_rank(n) for n in range(self.num_nodes))
+
+    @property
+    def is_coordinator(self) -> bool:
+        """Global rank 0 builds and broadcasts the step plans."""
+        return self.node == 0 and self.tp_rank == 0
+
+
+_GROUPS: Optional[TokenParallelGroups] = None
+
+
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1,
+    token_parallel_size: Optional[int] = None,
+    **megatron_kwargs,
+) -> TokenParallelGroups:
+    """Build Megatron's groups for TP = T and add the token-parallel groups.
+
+    ``torch.distributed`` must be initialised (gloo on CPU, NCCL on GPU) with a world of
+    N x T ranks. ``token_parallel_size`` (N) defaults to world_size / T. Extra keyword
+    arguments go to ``megatron.core.parallel_state.initialize_model_parallel``.
+    """
+    global _GROUPS
+    if _GROUPS is not None:
+        raise RuntimeError("token-parallel groups already initialised; destroy them first")
+    world = dist.get_world_size()
+    t = tensor_model_parallel_size
+    n = world // t if token_parallel_size is None else token_parallel_size
+    if n * t != world:
+        raise ValueError(
+            f"token_parallel_size {n} x tensor_model_parallel_size {t} != world size {world}"
+        )
+    mpu.initialize_model_parallel(tensor_model_parallel_size=t, **megatron_kwargs)
+    rank = dist.get_rank()
+    tknp_group = None
+    for tp_rank in range(t):  # every rank creates every group, in the same order
+        ranks = [node * t + tp_rank for node in range(n)]
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            tknp_group = group
+    _GROUPS = TokenParallelGroups(
+        num_nodes=n,
+        tp_size=t,
+        node=rank // t,
+        tp_rank=rank % t,
+        tp_group=mpu.get_tensor_model_parallel_group(),
+        tknp_group=tknp_group,
+    )
+    return _GROUPS
+
+
+def get_groups() -> TokenParallelGroups:
+    """The groups built by :func:`initialize_model_parallel`."""
+    if _GROUPS is None:
+        raise RuntimeError("token-parallel groups are not initialised")
+    return _GROUPS
+
+
+def model_parallel_is_initialized() -> bool:
+    return _GROUPS is not None and mpu.model_parallel_is_initialized()
+
+
+def get_token_parallel_group() -> dist.ProcessGroup:
+    return get_groups().tknp_group
+
+
+def get_token_parallel_rank() -> int:
+    """This rank's node id."""
+    return get_groups().node
+
+
+def get_token_parallel_world_size() -> int:
+    return get_groups().num_nodes
+
+
+def get_tensor_model_parallel_group() -> dist.ProcessGroup:
+    return get_groups().tp_group
+
+
+def get_token_parallel_global_rank(node: int, tp_rank: Optional[int] = None) -> int:
+    """Global rank of (node, tp_rank)."""
+    return get_groups().global_rank(node, tp_rank)
+
+
+def destroy_model_parallel() -> None:
+    """Drop the token-parallel groups and Megatron's."""
+    global _GROUPS
+    if _GROUPS is not None and dist.is_initialized():
+        dist.destroy_process_group(_GROUPS.tknp_group)
+    _GROUPS = None
+    mpu.destroy_model_parallel()

@@ -1,0 +1,30 @@
+"""tknp-megatron: Decode Token Parallelism (TKNP) for NVIDIA Megatron-Core."""
+
+from setuptools import setup
+
+setup(
+    name="tknp-megatron",
+    version="0.1.0",
+    description="Decode Token Parallelism (TKNP) for LLM decode serving on Megatron-Core",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=[
+        "tknp_megatron",
+        "tknp_megatron.attention",
+        "tknp_megatron.baselines",
+        "parallel_state",
+    ],
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.4",
+        "megatron-core>=0.16,<0.20",
+        "numpy",
+        "packaging",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout", "triton", "psutil"],
+        "gpu": ["triton"],
+        "te": ["transformer-engine[pytorch]"],
+        "flash": ["flash-attn"],
+    },
+)

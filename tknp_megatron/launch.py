@@ -1,0 +1,105 @@
+"""Start an N x T pool of local processes (gloo on CPU) when not under torchrun.
+
+Used by the main job with no arguments and by the multi-process tests. Every worker's
+result comes back in rank order; a worker that raises fails the whole launch with its
+traceback, and a pool that does not finish within ``timeout_s`` (a hung collective) is
+killed and reported as a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, List, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["free_port", "init_distributed", "spawn", "PoolFailure"]
+
+
+class PoolFailure(RuntimeError):
+    """A worker raised, died, or the pool timed out."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(backend: str, rank: int, world_size: int, timeout_s: float = 120.0) -> None:
+    """``init_process_group`` from MASTER_ADDR / MASTER_PORT, with a collective timeout."""
+    dist.init_process_group(
+        backend,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def _worker(rank, world_size, port, fn, args, results, timeout_s):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    try:
+        init_distributed("gloo", rank, world_size, timeout_s)
+        out = fn(rank, world_size, *args)
+        results.put((rank, True, out))
+    except BaseException:  # report every failure to the parent, then exit
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    timeout_s: float = 240.0,
+) -> List[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes.
+
+    ``fn`` must be importable (module level). Returns the per-rank return values.
+    Raises :class:`PoolFailure` on the first worker error or on timeout.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(r, world_size, port, fn, tuple(args), results, timeout_s),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: dict = {}
+    try:
+        while len(out) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=timeout_s)
+            except queue.Empty:
+                raise PoolFailure(
+                    f"pool of {world_size} timed out after {timeout_s:.0f}s "
+                    f"(ranks done: {sorted(out)})"
+                ) from None
+            if not ok:
+                raise PoolFailure(f"rank {rank} failed:\n{value}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(world_size)]
