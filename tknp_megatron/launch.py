@@ -8,9 +8,11 @@ killed and reported as a failure.
 
 from __future__ import annotations
 
+import io
 import os
 import queue
 import socket
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable, List, Sequence
@@ -42,6 +44,17 @@ def init_distributed(backend: str, rank: int, world_size: int, timeout_s: float 
     )
 
 
+def _to_bytes(value: Any) -> bytes:
+    """Serialise a result (tensors included) so it outlives the worker's shared memory."""
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+def _from_bytes(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
 def _worker(rank, world_size, port, fn, args, results, timeout_s):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -49,7 +62,7 @@ def _worker(rank, world_size, port, fn, args, results, timeout_s):
     try:
         init_distributed("gloo", rank, world_size, timeout_s)
         out = fn(rank, world_size, *args)
-        results.put((rank, True, out))
+        results.put((rank, True, _to_bytes(out)))
     except BaseException:  # report every failure to the parent, then exit
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -85,10 +98,11 @@ def spawn(
     for p in procs:
         p.start()
     out: dict = {}
+    deadline = time.monotonic() + timeout_s
     try:
         while len(out) < world_size:
             try:
-                rank, ok, value = results.get(timeout=timeout_s)
+                rank, ok, value = results.get(timeout=max(1.0, deadline - time.monotonic()))
             except queue.Empty:
                 raise PoolFailure(
                     f"pool of {world_size} timed out after {timeout_s:.0f}s "
@@ -96,7 +110,7 @@ def spawn(
                 ) from None
             if not ok:
                 raise PoolFailure(f"rank {rank} failed:\n{value}")
-            out[rank] = value
+            out[rank] = _from_bytes(value)
     finally:
         for p in procs:
             p.join(timeout=10)

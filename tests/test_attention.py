@@ -1,0 +1,152 @@
+"""The torch reference (and the vectorised sdpa backend) against a naive dense loop.
+
+``naive_attention`` is written independently of the package: it walks the block table
+token by token, loops over requests, rows and heads, and uses ``torch.softmax`` in
+float64.
+"""
+
+import random
+
+import pytest
+import torch
+
+from tknp_megatron.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    available_backends,
+    get_backend,
+    register_backend,
+)
+from tknp_megatron.attention.testing import make_paged_case
+
+
+def naive_attention(q, k_cache, v_cache, query_lens, seq_lens, block_table, scale):
+    """Dense causal attention, one (request, row, head) at a time, in float64."""
+    block_size = k_cache.shape[1]
+    group = q.shape[1] // k_cache.shape[2]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    row = 0
+    for r, (q_len, ctx_len) in enumerate(zip(query_lens, seq_lens)):
+        keys, values = [], []
+        for p in range(ctx_len):
+            block = int(block_table[r][p // block_size])
+            keys.append(k_cache[block, p % block_size].double())
+            values.append(v_cache[block, p % block_size].double())
+        for i in range(q_len):
+            last = ctx_len - q_len + i  # this row's position: it sees keys 0..last
+            for h in range(q.shape[1]):
+                k = torch.stack([keys[j][h // group] for j in range(last + 1)])
+                v = torch.stack([values[j][h // group] for j in range(last + 1)])
+                w = torch.softmax((k @ q[row + i, h].double()) * scale, dim=0)
+                out[row + i, h] = w @ v
+        row += q_len
+    return out
+
+
+def _lengths(rng, num_req, max_ctx, mixed):
+    seq_lens = [rng.randint(1, max_ctx) for _ in range(num_req)]
+    if not mixed:
+        return [1] * num_req, seq_lens
+    query_lens = [rng.choice([1, 1, rng.randint(1, s)]) for s in seq_lens]
+    return query_lens, seq_lens
+
+
+CASES = [
+    # (seed, requests, Hq, Hkv, head_dim, block_size, max_ctx, mixed)
+    (0, 3, 4, 4, 16, 4, 23, False),  # MHA decode
+    (1, 4, 4, 2, 8, 8, 40, False),  # GQA 2
+    (2, 3, 8, 2, 16, 16, 50, True),  # GQA 4, prefill + decode
+    (3, 5, 2, 1, 8, 1, 17, True),  # MQA, block size 1
+    (4, 2, 6, 3, 12, 5, 29, True),  # odd block size and head dim
+    (5, 1, 4, 1, 8, 4, 30, True),  # one request
+]
+
+
+@pytest.mark.parametrize("seed,num_req,hq,hkv,d,bs,max_ctx,mixed", CASES)
+@pytest.mark.parametrize("backend", ["torch", "sdpa"])
+def test_backend_matches_naive(backend, seed, num_req, hq, hkv, d, bs, max_ctx, mixed):
+    rng = random.Random(seed)
+    query_lens, seq_lens = _lengths(rng, num_req, max_ctx, mixed)
+    case = make_paged_case(
+        query_lens, seq_lens, num_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, seed=seed
+    )
+    out = get_backend(backend, "cpu")(*case.args())
+    table = case.meta.block_table.tolist()
+    expected = naive_attention(case.q, case.k_cache, case.v_cache, query_lens, seq_lens, table, case.scale)
+    assert out.shape == case.q.shape and out.dtype == case.q.dtype
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_full_prefill_is_causal_over_whole_prompt():
+    case = make_paged_case([7, 5], [7, 5], num_heads=2, num_kv_heads=1, head_dim=8, block_size=4, seed=9)
+    out = get_backend("torch")(*case.args())
+    expected = naive_attention(case.q, case.k_cache, case.v_cache, [7, 5], [7, 5], case.meta.block_table.tolist(), case.scale)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    # The first row of each prompt sees only itself: its output is its own v.
+    torch.testing.assert_close(out[0, 0], case.v_cache[int(case.meta.block_table[0, 0]), 0, 0])
+
+
+@pytest.mark.parametrize("backend", ["torch", "sdpa"])
+def test_no_requests_gives_empty_output(backend):
+    meta = AttentionMetadata.from_lengths([], [], torch.zeros((0, 4), dtype=torch.int32))
+    k_cache = torch.randn(3, 4, 2, 8)
+    out = get_backend(backend)(torch.randn(0, 4, 8), k_cache, k_cache.clone(), meta, 0.3)
+    assert out.shape == (0, 4, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_keep_dtype(dtype):
+    case = make_paged_case([1, 3], [9, 12], num_heads=4, num_kv_heads=2, head_dim=8, block_size=4, dtype=dtype)
+    out = get_backend("torch")(*case.args())
+    assert out.dtype == dtype
+    expected = naive_attention(case.q, case.k_cache, case.v_cache, [1, 3], [9, 12], case.meta.block_table.tolist(), case.scale)
+    torch.testing.assert_close(out.double(), expected, atol=1e-2, rtol=1e-2)
+
+
+def test_metadata_rejects_bad_shapes():
+    table = torch.zeros((2, 3), dtype=torch.int32)
+    with pytest.raises(ValueError):
+        AttentionMetadata(torch.zeros(2, dtype=torch.int32), torch.ones(2, dtype=torch.int32), table, 1, 1)
+    with pytest.raises(ValueError):
+        AttentionMetadata(torch.zeros(3, dtype=torch.int64), torch.ones(2, dtype=torch.int32), table, 1, 1)
+    with pytest.raises(ValueError):
+        AttentionMetadata.from_lengths([3], [2], table[:1])
+    meta = AttentionMetadata.from_lengths([2, 1], [5, 9], table)
+    assert meta.query_start_loc.tolist() == [0, 2, 3]
+    assert (meta.max_query_len, meta.max_seq_len, meta.num_requests) == (2, 9, 2)
+
+
+def test_forward_rejects_mismatched_inputs():
+    meta = AttentionMetadata.from_lengths([1], [3], torch.zeros((1, 1), dtype=torch.int32))
+    cache = torch.randn(2, 4, 2, 8)
+    backend = get_backend("torch")
+    with pytest.raises(ValueError, match="multiple"):
+        backend(torch.randn(1, 3, 8), cache, cache, meta, 1.0)
+    with pytest.raises(ValueError, match="dtype"):
+        backend(torch.randn(1, 4, 8, dtype=torch.float16), cache, cache, meta, 1.0)
+
+
+def test_registry_names_and_errors():
+    names = available_backends("cpu")
+    assert {"torch", "sdpa"} <= set(names)
+    assert "flash" not in names  # flash is CUDA-only
+    assert get_backend(None, "cpu").name == "torch"
+    with pytest.raises(ValueError, match="available on cpu: .*torch"):
+        get_backend("no-such-backend", "cpu")
+    with pytest.raises(ValueError, match="not available"):
+        get_backend("flash", "cpu")
+
+
+def test_register_custom_backend():
+    class Zeros(AttentionBackend):
+        name = "zeros-test"
+
+        def _forward(self, q, k_cache, v_cache, meta, scale):
+            return torch.zeros_like(q)
+
+    register_backend("zeros-test", Zeros, available=lambda: True)
+    assert "zeros-test" in available_backends()
+    case = make_paged_case([1], [3], num_heads=2, num_kv_heads=1, head_dim=8, block_size=2)
+    assert torch.count_nonzero(get_backend("zeros-test")(*case.args())) == 0
+    register_backend("zeros-test", Zeros, available=lambda: False)
+    assert "zeros-test" not in available_backends()

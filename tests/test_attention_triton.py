@@ -1,0 +1,135 @@
+"""The Triton kernels under TRITON_INTERPRET=1 (CPU), against the torch reference.
+
+TRITON_INTERPRET is read when a kernel is decorated, so it is set before anything
+imports ``tknp_megatron.attention.triton_kernels`` (the backend imports it lazily); if
+another test imported it first without the interpreter, it is reloaded here.
+"""
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from tknp_megatron.attention import AttentionMetadata, available_backends, get_backend  # noqa: E402
+from tknp_megatron.attention.testing import make_paged_case  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreted_kernels():
+    from triton.runtime.interpreter import InterpretedFunction
+
+    module = sys.modules.get("tknp_megatron.attention.triton_kernels")
+    if module is not None and not isinstance(module._paged_attn_kernel, InterpretedFunction):
+        importlib.reload(module)
+    yield
+
+
+def _tol(dtype):
+    return dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+
+
+def _check(case, dtype, **options):
+    out = get_backend("triton", "cpu", **options)(*case.args())
+    ref = get_backend("torch")(*case.args())
+    assert out.dtype == dtype and out.shape == case.q.shape
+    assert torch.isfinite(out.float()).all()
+    torch.testing.assert_close(out.float(), ref.float(), **_tol(dtype))
+
+
+def test_triton_registered_under_interpreter():
+    assert "triton" in available_backends("cpu")
+
+
+DECODE = [
+    # (Hq, Hkv, head_dim, block_size, seq_lens, options)
+    (4, 4, 16, 4, [13, 1, 37], {}),  # MHA, one split, ragged lengths
+    (4, 2, 16, 8, [70, 33], dict(num_splits=3)),  # GQA 2, split-K
+    (8, 2, 32, 16, [45, 100, 17], dict(num_splits=4, block_n=16)),  # GQA 4, 4 non-empty splits
+    (16, 1, 16, 4, [90], dict(num_splits=5, block_n=16)),  # GQA 16, context % splits != 0
+    (4, 1, 24, 3, [29, 8], dict(num_splits=2, block_n=16)),  # head_dim 24 (padded), block 3
+    (2, 1, 16, 32, [5, 77], dict(num_splits=2)),  # page larger than block_n
+]
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs,seq_lens,options", DECODE)
+def test_decode_fp32(hq, hkv, d, bs, seq_lens, options):
+    case = make_paged_case(
+        [1] * len(seq_lens), seq_lens, num_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, seed=len(seq_lens)
+    )
+    _check(case, torch.float32, **options)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_half(dtype):
+    case = make_paged_case(
+        [1, 1, 1], [50, 3, 66], num_heads=8, num_kv_heads=2, head_dim=16, block_size=8, dtype=dtype, seed=3
+    )
+    _check(case, dtype, num_splits=3, block_n=16)
+
+
+def test_decode_heuristic_splits_long_context():
+    # 1 request x 1 kv head on "132 SMs" with 600 tokens: the heuristic picks 2 splits.
+    case = make_paged_case([1], [600], num_heads=2, num_kv_heads=1, head_dim=16, block_size=16, seed=5)
+    _check(case, torch.float32, block_n=64)
+
+
+def test_decode_request_without_rows():
+    case = make_paged_case([1, 0, 1], [9, 4, 21], num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, seed=2)
+    _check(case, torch.float32, num_splits=2, block_n=16)
+
+
+MIXED = [
+    # (query_lens, seq_lens, Hq, Hkv, block_size, options)
+    ([5, 1, 20], [13, 1, 37], 4, 2, 4, {}),
+    ([7, 1, 1, 3], [7, 30, 12, 40], 8, 2, 8, dict(num_splits=3, block_n=16)),
+    ([20], [20], 2, 1, 16, dict(block_n=16)),  # one prompt, several q tiles
+]
+
+
+@pytest.mark.parametrize("query_lens,seq_lens,hq,hkv,bs,options", MIXED)
+def test_varlen_prefill_and_decode_fp32(query_lens, seq_lens, hq, hkv, bs, options):
+    case = make_paged_case(query_lens, seq_lens, num_heads=hq, num_kv_heads=hkv, head_dim=16, block_size=bs, seed=7)
+    _check(case, torch.float32, **options)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_varlen_half(dtype):
+    case = make_paged_case(
+        [4, 1], [10, 19], num_heads=4, num_kv_heads=1, head_dim=16, block_size=4, dtype=dtype, seed=8
+    )
+    _check(case, dtype, block_n=16)
+
+
+def test_prefill_sdpa_option():
+    case = make_paged_case([4, 1], [10, 19], num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, seed=4)
+    _check(case, torch.float32, prefill="sdpa")
+
+
+def test_no_requests():
+    meta = AttentionMetadata.from_lengths([], [], torch.zeros((0, 2), dtype=torch.int32))
+    cache = torch.randn(3, 4, 1, 16)
+    out = get_backend("triton", "cpu")(torch.randn(0, 4, 16), cache, cache, meta, 0.25)
+    assert out.shape == (0, 4, 16)
+
+
+def test_bench_dry_run(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "bench_attention.py"), "--dry-run", "--out", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["results"]
+    assert rows and all(r["rel_err"] < 1e-2 for r in rows if r.get("status") == "ok")
+    assert "triton_us" in proc.stdout

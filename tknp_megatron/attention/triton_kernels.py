@@ -1,0 +1,199 @@
+"""Triton kernels for paged causal attention (imported lazily: needs ``triton``).
+
+``_paged_attn_kernel``: one program per (query tile, kv head, KV split). A query tile is
+``BLOCK_Q`` query rows of one request times the ``GROUP`` query heads that share the kv
+head, flattened into ``BLOCK_Q * GROUP_PAD`` matrix rows, so each K/V tile is read once
+per kv-head group and fed to ``tl.dot``. Decode uses ``BLOCK_Q = 1`` and pads the group
+to 16 rows (the smallest ``tl.dot`` M). The context ``[0, kv_end)`` of a tile is cut
+into ``num_splits`` equal, ``BLOCK_N``-aligned slices (flash-decoding); each program
+runs an online softmax (base 2) over its slice, reading the block table per token so
+any page size works. With one split it writes the normalised output directly;
+otherwise it writes the slice's normalised fp32 partial and log2-sum-exp, and
+``_combine_splits_kernel`` (one program per (row, head)) merges the slices.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["launch_paged_attention", "launch_combine_splits"]
+
+
+@triton.jit
+def _paged_attn_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
+    qsl_ptr, seq_lens_ptr, bt_ptr, tile_req_ptr, tile_first_ptr,
+    scale_log2, num_splits, num_requests,
+    stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_ot, stride_oh, stride_os,
+    stride_lt, stride_lh,
+    stride_bt,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    VARLEN: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    # Which request and which of its query tiles this program serves.
+    if VARLEN:
+        req = tl.load(tile_req_ptr + tile)
+        req_c = tl.minimum(req, num_requests - 1)
+        q_tile = tile - tl.load(tile_first_ptr + req_c)
+    else:
+        req = tile
+        req_c = tile
+        q_tile = 0
+    q_start = tl.load(qsl_ptr + req_c)
+    q_len = tl.load(qsl_ptr + req_c + 1) - q_start
+    q_len = tl.where(req < num_requests, q_len, 0)
+    tile_q0 = q_tile * BLOCK_Q
+    if tile_q0 >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req_c)
+    first_pos = seq_len - q_len  # cache position of the request's first query row
+    kv_end = tl.minimum(seq_len, first_pos + tile_q0 + BLOCK_Q)  # causal bound of the tile
+    split_len = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+    kv_lo = split * split_len
+    kv_hi = tl.minimum(kv_lo + split_len, kv_end)
+
+    # Matrix row m = (query row tile_q0 + m // GROUP_PAD, head kvh * GROUP + m % GROUP_PAD).
+    m = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    qi = tile_q0 + m // GROUP_PAD
+    head = kvh * GROUP + m % GROUP_PAD
+    row_ok = (qi < q_len) & (m % GROUP_PAD < GROUP)
+    row_pos = first_pos + qi
+    rows = (q_start + qi).to(tl.int64)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+    )
+    if UPCAST:  # the CPU interpreter cannot tl.dot bf16
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, D_PAD], tl.float32)
+    bt_row = bt_ptr + req_c.to(tl.int64) * stride_bt
+    n = tl.arange(0, BLOCK_N)
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        tok = start + n
+        tok_ok = tok < kv_hi
+        blk = tl.load(bt_row + tok // PAGE, mask=tok_ok, other=0).to(tl.int64)
+        slot = tok % PAGE
+        k_off = blk * stride_kb + slot * stride_kt + kvh * stride_kh
+        v_off = blk * stride_vb + slot * stride_vt + kvh * stride_vh
+        k = tl.load(k_ptr + k_off[None, :] + d[:, None], mask=tok_ok[None, :] & d_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=tok_ok[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        if IEEE:
+            s = tl.dot(q, k, input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        s = s * scale_log2
+        s = tl.where(tok_ok[None, :] & (tok[None, :] <= row_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked rows stay 0
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    store_mask = row_ok[:, None] & d_ok[None, :]
+    if SPLIT:
+        o_ptrs = out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os
+        tl.store(o_ptrs + d[None, :], acc, mask=store_mask)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
+        tl.store(lse_ptr + rows * stride_lt + head * stride_lh + split, lse, mask=row_ok)
+    else:
+        o_ptrs = out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_ptr, lse_ptr, out_ptr, num_splits,
+    stride_pt, stride_ph, stride_ps,
+    stride_lt, stride_lh,
+    stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < num_splits
+    lse = tl.load(lse_ptr + row * stride_lt + head * stride_lh + s, mask=s_ok, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.exp2(lse - top)  # empty slices (lse = -inf) weigh 0
+    w = w / tl.maximum(tl.sum(w, 0), 1e-30)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    part = tl.load(
+        part_ptr + row * stride_pt + head * stride_ph + s[:, None] * stride_ps + d[None, :],
+        mask=s_ok[:, None] & d_ok[None, :], other=0.0,
+    )
+    out = tl.sum(part * w[:, None], 0)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def launch_paged_attention(
+    q, k_cache, v_cache, out, lse, meta, scale, *, num_tiles, num_splits, block_q, group_pad,
+    block_n, num_warps, num_stages, tile_req=None, tile_first=None, upcast=False,
+):
+    """Launch the partial (``lse`` given, ``out`` ``[rows, Hq, S, d]`` fp32) or direct kernel.
+
+    Args:
+        q: ``[rows, Hq, d]``; k_cache, v_cache: ``[num_blocks, block_size, Hkv, d]``.
+        out: ``[rows, Hq, d]`` (one split) or ``[rows, Hq, num_splits, d]`` fp32 partials.
+        lse: ``[rows, Hq, num_splits]`` fp32 log2-sum-exp per split, or ``None``.
+        num_tiles: grid size over query tiles (host int; ``R`` for decode).
+        tile_req, tile_first: ``[num_tiles]`` request of each tile and ``[R]`` first tile
+            of each request, for varlen launches (``None`` for decode).
+    """
+    head_dim, num_kv_heads = q.shape[2], k_cache.shape[2]
+    split = lse is not None
+    dummy = meta.seq_lens  # unused pointer arguments
+    _paged_attn_kernel[(num_tiles, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, lse if split else dummy,
+        meta.query_start_loc, meta.seq_lens, meta.block_table,
+        tile_req if tile_req is not None else dummy, tile_first if tile_first is not None else dummy,
+        scale * 1.4426950408889634, num_splits, meta.num_requests,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1), out.stride(2) if split else 0,
+        lse.stride(0) if split else 0, lse.stride(1) if split else 0,
+        meta.block_table.stride(0),
+        GROUP=q.shape[1] // num_kv_heads, GROUP_PAD=group_pad, BLOCK_Q=block_q,
+        PAGE=k_cache.shape[1], HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_N=block_n, VARLEN=tile_req is not None, SPLIT=split, UPCAST=upcast,
+        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+    )
+
+
+def launch_combine_splits(part, lse, out, num_splits):
+    """Merge ``part [rows, Hq, S, d]`` fp32 with ``lse [rows, Hq, S]`` into ``out [rows, Hq, d]``."""
+    rows, num_heads, head_dim = out.shape
+    _combine_splits_kernel[(rows, num_heads)](
+        part, lse, out, num_splits,
+        part.stride(0), part.stride(1), part.stride(2),
+        lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_S=triton.next_power_of_2(max(num_splits, 2)), num_warps=4,
+    )

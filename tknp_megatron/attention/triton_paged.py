@@ -1,0 +1,193 @@
+"""The Triton backend ("triton"): split-K paged decode, and a varlen kernel for prefill.
+
+Decode (``max_query_len <= 1``) launches ``_paged_attn_kernel`` over
+``(R, Hkv, num_splits)``: each program reads one slice of one request's context for one
+kv head, for all query heads of that group, so K/V is read once per group. The number
+of splits fills the GPU: about ``waves * num_SMs`` programs in total, at least
+``min_split_tokens`` context tokens per split, at most ``max_splits``. With more than
+one split a second small kernel merges the fp32 partials by their log-sum-exp. Grid
+sizes come from host ints only (``R``, ``max_seq_len``), so there is no device sync.
+
+Prefill or mixed batches (``max_query_len > 1``) run the same kernel over query tiles
+(``BLOCK_Q`` rows x the head group); a tile -> request map is built on the device with
+``searchsorted``. ``prefill="sdpa"`` uses the torch gather + SDPA path instead.
+The kernels module is imported on first use, so ``TRITON_INTERPRET`` set before that
+is honoured (CPU tests run the kernels in Triton's interpreter).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+from .base import AttentionBackend, AttentionMetadata
+from .registry import register_backend
+from .sdpa import sdpa_paged
+
+__all__ = ["TritonConfig", "TritonPagedBackend", "choose_num_splits", "decode_grid"]
+
+H200_NUM_SMS = 132
+
+
+@dataclass(frozen=True)
+class TritonConfig:
+    """Launch parameters of the Triton backend.
+
+    Attributes:
+        block_n: context tokens per inner-loop tile (power of two, >= 16).
+        num_warps: warps per program of the attention kernel.
+        num_stages: software-pipelining stages of the inner loop.
+        num_splits: fixed number of KV splits (e.g. for CUDA graphs); ``None`` picks it
+            per step with :func:`choose_num_splits`.
+        max_splits: upper bound of the heuristic.
+        min_split_tokens: fewest context tokens the heuristic gives a split.
+        waves: programs per SM the heuristic aims for.
+        prefill: ``"triton"`` (varlen kernel) or ``"sdpa"`` for ``max_query_len > 1``.
+    """
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    num_splits: Optional[int] = None
+    max_splits: int = 64
+    min_split_tokens: int = 256
+    waves: int = 4
+    prefill: str = "triton"
+
+    def __post_init__(self) -> None:
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
+        if self.max_splits < 1 or self.min_split_tokens < 1 or self.waves < 1:
+            raise ValueError("max_splits, min_split_tokens and waves must be >= 1")
+        if self.prefill not in ("triton", "sdpa"):
+            raise ValueError(f"prefill must be 'triton' or 'sdpa', got {self.prefill!r}")
+
+
+def choose_num_splits(programs: int, max_kv_len: int, num_sms: int, config: TritonConfig) -> int:
+    """KV splits so that ``programs * splits`` is about ``waves * num_sms``.
+
+    Args:
+        programs: programs without splitting (query tiles x kv heads).
+        max_kv_len: longest context in the step (host int).
+        num_sms: streaming multiprocessors of the GPU.
+    """
+    if config.num_splits is not None:
+        return config.num_splits
+    want = -(-config.waves * num_sms // max(programs, 1))
+    by_length = max(1, max_kv_len // config.min_split_tokens)
+    return max(1, min(want, by_length, config.max_splits))
+
+
+def decode_grid(num_requests: int, num_kv_heads: int, num_splits: int) -> Tuple[int, int, int]:
+    """Grid of the decode kernel: (requests, kv heads, splits)."""
+    return (num_requests, num_kv_heads, num_splits)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def triton_importable() -> bool:
+    """Whether ``triton`` can be imported (checked without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _supports(device: torch.device) -> bool:
+    return device.type == "cuda" or _interpreting()
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return H200_NUM_SMS  # interpreter runs pick the splits an H200 would
+
+
+def _tile_map(meta: AttentionMetadata, rows: int, block_q: int):
+    """Device tile -> request map for varlen launches (no host sync).
+
+    Returns:
+        ``(tile_req [num_tiles] int32, tile_first [R] int32, num_tiles)``; tiles past the
+        last request map to ``R`` (the kernel skips them).
+    """
+    q_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+    tiles = (q_lens + block_q - 1) // block_q
+    tile_end = torch.cumsum(tiles, 0, dtype=torch.int32)
+    num_req = meta.num_requests
+    num_tiles = min(-(-rows // block_q) + num_req, num_req * -(-meta.max_query_len // block_q))
+    ids = torch.arange(num_tiles, device=q_lens.device, dtype=torch.int32)
+    tile_req = torch.searchsorted(tile_end, ids, right=True).to(torch.int32)
+    return tile_req, (tile_end - tiles).to(torch.int32), num_tiles
+
+
+class TritonPagedBackend(AttentionBackend):
+    """Triton paged attention; see the module docstring."""
+
+    name = "triton"
+
+    def __init__(self, config: Optional[TritonConfig] = None, **overrides) -> None:
+        self.config = dataclasses.replace(config or TritonConfig(), **overrides)
+
+    def _forward(self, q, k_cache, v_cache, meta, scale):
+        if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+            raise ValueError("k_cache/v_cache must be contiguous along head_dim")
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        if meta.max_query_len <= 1:
+            return self.decode(q, k_cache, v_cache, meta, scale)
+        if self.config.prefill == "sdpa":
+            return sdpa_paged(q, k_cache, v_cache, meta, scale)
+        return self.varlen(q, k_cache, v_cache, meta, scale)
+
+    def decode(self, q, k_cache, v_cache, meta, scale) -> torch.Tensor:
+        """One query row per request: grid ``(R, Hkv, splits)``, group padded to 16 rows."""
+        num_req, num_kv_heads = meta.num_requests, k_cache.shape[2]
+        group_pad = max(16, _next_pow2(q.shape[1] // num_kv_heads))
+        splits = choose_num_splits(num_req * num_kv_heads, meta.max_seq_len, _num_sms(q.device), self.config)
+        return self._run(q, k_cache, v_cache, meta, scale, num_req, splits, 1, group_pad, None)
+
+    def varlen(self, q, k_cache, v_cache, meta, scale) -> torch.Tensor:
+        """Any query lengths: tiles of ``BLOCK_Q`` rows x the head group (>= 64 matrix rows)."""
+        num_kv_heads = k_cache.shape[2]
+        group_pad = _next_pow2(q.shape[1] // num_kv_heads)
+        block_q = max(1, 64 // group_pad)
+        tile_req, tile_first, num_tiles = _tile_map(meta, q.shape[0], block_q)
+        splits = choose_num_splits(num_tiles * num_kv_heads, meta.max_seq_len, _num_sms(q.device), self.config)
+        tiles = (tile_req, tile_first)
+        return self._run(q, k_cache, v_cache, meta, scale, num_tiles, splits, block_q, group_pad, tiles)
+
+    def _run(self, q, k_cache, v_cache, meta, scale, num_tiles, splits, block_q, group_pad, tiles):
+        from . import triton_kernels as kernels  # lazy: honours TRITON_INTERPRET set by then
+
+        cfg = self.config
+        out = torch.empty_like(q)
+        launch = functools.partial(
+            kernels.launch_paged_attention, q, k_cache, v_cache, meta=meta, scale=scale,
+            num_tiles=num_tiles, num_splits=splits, block_q=block_q, group_pad=group_pad,
+            block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            tile_req=tiles[0] if tiles else None, tile_first=tiles[1] if tiles else None,
+            upcast=_interpreting() and q.dtype == torch.bfloat16,
+        )
+        if splits == 1:
+            launch(out=out, lse=None)
+            return out
+        rows, num_heads, head_dim = q.shape
+        part = torch.empty((rows, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+        lse = torch.empty((rows, num_heads, splits), dtype=torch.float32, device=q.device)
+        launch(out=part, lse=lse)
+        kernels.launch_combine_splits(part, lse, out, splits)
+        return out
+
+
+register_backend("triton", TritonPagedBackend, available=triton_importable, supports=_supports)

@@ -1,0 +1,312 @@
+"""TKNPInferenceEngine: add_request / step / generate over an N x T pool.
+
+Every rank constructs the engine. Global rank 0 (the coordinator) holds the waiting
+queue and the scheduler; each :meth:`step` it admits what fits, builds a
+:class:`~tknp_megatron.plan.StepPlan`, broadcasts it, and runs its own part of the step;
+the other ranks run the same plan from :meth:`serve` (or from :meth:`step`, in lockstep).
+Names follow Megatron-Core's inference engines where they overlap (``add_request``,
+``step``, ``generate``, ``has_unfinished_requests``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from parallel_state import TokenParallelGroups
+
+from .attention import get_backend
+from .config import ModelPreset
+from .engine_setup import kv_cache_spec, pool_block_counts
+from .executor import StepOutput, TKNPExecutor
+from .kv_cache import BlockAllocator, PagedKVCache
+from .metrics import RequestStatus, RequestTimeline, ServingMetrics, summarize
+from .model import StageModel
+from .placement import Placement
+from .plan import STOP_PLAN, StepPlan, build_plan
+from .request import Request
+from .rope import Rope
+from .sampling import SamplingParams
+from .scheduler import LoadPolicy, Scheduler, SchedulerConfig
+
+__all__ = ["EngineConfig", "GenerationResult", "TKNPInferenceEngine"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine knobs.
+
+    Attributes:
+        block_size: tokens per KV block.
+        kv_tokens_per_node: KV budget per node in tokens (CPU); None sizes the cache
+            from free GPU memory after weights.
+        gpu_memory_utilization: fraction of GPU memory the process may use in total.
+        max_requests_per_node: request slots per node.
+        max_prefill_tokens: prompt tokens admitted per step.
+        policy: owner choice among eligible nodes (``usage`` or ``reserved``).
+        attention_backend: backend name; None picks the device default.
+        record_logits: return each generated token's logits (tests).
+    """
+
+    block_size: int = 16
+    kv_tokens_per_node: Optional[int] = None
+    gpu_memory_utilization: float = 0.9
+    max_requests_per_node: int = 256
+    max_prefill_tokens: int = 16384
+    policy: LoadPolicy = LoadPolicy.USAGE
+    attention_backend: Optional[str] = None
+    record_logits: bool = False
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """How one request ended."""
+
+    request_id: int
+    status: RequestStatus
+    prompt_tokens: tuple
+    tokens: tuple
+    owner: int
+    reject_reason: Optional[str] = None
+    logits: Optional[torch.Tensor] = None
+
+
+class TKNPInferenceEngine:
+    """Decode-pool engine for one rank.
+
+    Args:
+        model: this rank's blocks (see :func:`tknp_megatron.model.build_stage_model`).
+        preset: model preset.
+        placement: layer-block placement.
+        groups: this rank's process groups.
+        config: engine knobs.
+        device: this rank's device.
+    """
+
+    def __init__(
+        self,
+        model: StageModel,
+        preset: ModelPreset,
+        placement: Placement,
+        groups: TokenParallelGroups,
+        config: EngineConfig,
+        device: torch.device,
+        clock=time.perf_counter,
+    ):
+        self.preset, self.placement, self.groups, self.config = preset, placement, groups, config
+        self.device, self.clock = device, clock
+        spec = kv_cache_spec(preset, model.config, groups, config, device)
+        self.block_counts = pool_block_counts(spec, groups, device)
+        self.kv = PagedKVCache(spec.with_blocks(self.block_counts[groups.node]), device)
+        rope = Rope(preset, model.config, device)
+        backend = get_backend(config.attention_backend, device)
+        self.executor = TKNPExecutor(
+            model, placement, groups, self.kv, rope, backend, preset.vocab_size, device
+        )
+        self.requests: Dict[int, Request] = {}
+        self._step = 0
+        self.scheduler = None
+        if groups.is_coordinator:
+            allocators = [BlockAllocator(n, config.block_size) for n in self.block_counts]
+            sched_cfg = SchedulerConfig(
+                config.policy, config.max_requests_per_node, config.max_prefill_tokens
+            )
+            self.scheduler = Scheduler(sched_cfg, allocators, clock)
+
+    # ---------------------------------------------------------------- requests
+    @property
+    def kv_capacity_tokens(self) -> List[int]:
+        """Per node: KV tokens it can hold."""
+        return [n * self.config.block_size for n in self.block_counts]
+
+    def add_request(
+        self,
+        prompt_tokens: Sequence[int],
+        sampling_params: Optional[SamplingParams] = None,
+        *,
+        kv: Optional[torch.Tensor] = None,
+        synthetic_kv: Optional[int] = None,
+        arrival_time: Optional[float] = None,
+    ) -> int:
+        """Submit a request (coordinator only); returns its id.
+
+        ``kv`` is KV computed elsewhere for ``prompt_tokens[:-1]``,
+        ``[layers, 2, len(prompt) - 1, num_kv_heads, head_dim]``, in the model's head order
+        (post-RoPE keys, as a prefill server writes them). Invalid requests are rejected
+        at once with a reason naming the request and the limit; they never reach the pool.
+        """
+        self._require_coordinator("add_request")
+        rid = len(self.requests)
+        params = sampling_params or SamplingParams()
+        timeline = RequestTimeline(release=self.clock() if arrival_time is None else arrival_time)
+        req = Request(rid, [int(t) for t in prompt_tokens], params, timeline, kv, synthetic_kv)
+        self.requests[rid] = req
+        reason = self._problem(req)
+        if reason is not None:
+            timeline.status = RequestStatus.REJECTED
+            timeline.reject_reason = reason
+        else:
+            self.scheduler.enqueue(req)
+        return rid
+
+    def _problem(self, req: Request) -> Optional[str]:
+        """Why ``req`` can never be served, or None."""
+        rid, prompt, p = req.request_id, req.prompt, req.params
+        vocab, max_len = self.preset.vocab_size, self.preset.gpt.max_sequence_length
+        if not prompt:
+            return f"request {rid}: empty prompt"
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            return f"request {rid}: token id {bad[0]} outside the vocabulary [0, {vocab})"
+        problems = p.problems()
+        if problems:
+            return f"request {rid}: " + "; ".join(problems)
+        if req.reserved_tokens > max_len:
+            return (
+                f"request {rid}: prompt {len(prompt)} + max_new_tokens {p.max_new_tokens} = "
+                f"{req.reserved_tokens} tokens exceeds max_sequence_length {max_len}"
+            )
+        fit = self.scheduler.max_fit_tokens()
+        if req.reserved_tokens > fit:
+            return (
+                f"request {rid}: needs {req.reserved_tokens} KV tokens (prompt {len(prompt)} + "
+                f"max_new_tokens {p.max_new_tokens}), more than any node holds ({fit} tokens)"
+            )
+        if req.kv is not None and tuple(req.kv.shape[:3]) != (
+            self.preset.num_layers, 2, len(prompt) - 1
+        ):
+            return f"request {rid}: kv shape {tuple(req.kv.shape)} does not cover prompt[:-1]"
+        return None
+
+    def has_unfinished_requests(self) -> bool:
+        self._require_coordinator("has_unfinished_requests")
+        return self.scheduler.has_work()
+
+    # ---------------------------------------------------------------- stepping
+    def step(self) -> List[int]:
+        """Run one step. Coordinator: schedule, broadcast, execute, book-keep; returns the
+        ids of requests that finished. Other ranks: run the next broadcast plan."""
+        if not self.groups.is_coordinator:
+            self._follow()
+            return []
+        result = self.scheduler.schedule()
+        if not result.batch:
+            return []
+        plan = build_plan(
+            self._step, result.batch, result.admissions, self.groups.num_nodes,
+            self.config.record_logits,
+        )
+        self._step += 1
+        dist.broadcast_object_list([plan], src=0, device=self._object_device())
+        self._send_ingested_kv(plan)
+        out = self.executor.execute(plan)
+        return self._book_keep(plan, out)
+
+    def _follow(self) -> bool:
+        """Receive and run one plan; False when it is the stop plan."""
+        box = [None]
+        dist.broadcast_object_list(box, src=0, device=self._object_device())
+        plan: StepPlan = box[0]
+        if plan.stop:
+            return False
+        self.executor.execute(plan)
+        return True
+
+    def serve(self) -> None:
+        """Non-coordinator ranks: run plans until the coordinator stops the pool."""
+        while self._follow():
+            pass
+
+    def shutdown(self) -> None:
+        """Coordinator: release the other ranks from :meth:`serve`."""
+        self._require_coordinator("shutdown")
+        plan = STOP_PLAN(self.groups.num_nodes)
+        dist.broadcast_object_list([plan], src=0, device=self._object_device())
+
+    def _book_keep(self, plan: StepPlan, out: StepOutput) -> List[int]:
+        now = self.clock()
+        finished = []
+        tokens = out.tokens.tolist()  # one host sync per step, on the coordinator
+        for i, (rid, q_len) in enumerate(zip(plan.request_ids.tolist(), plan.q_lens.tolist())):
+            req = self.requests[rid]
+            req.num_cached += q_len
+            req.generated.append(tokens[i])
+            if out.logits is not None:
+                req.logits.append(out.logits[i].cpu())
+            tl = req.timeline
+            tl.first_token = now if tl.first_token is None else tl.first_token
+            tl.token_times.append(now)
+            tl.output_tokens = len(req.generated)
+            if req.finished():
+                tl.completion = now
+                tl.status = RequestStatus.COMPLETED
+                self.scheduler.finish(req)
+                finished.append(rid)
+            else:
+                tl.status = RequestStatus.RUNNING
+        return finished
+
+    def _send_ingested_kv(self, plan: StepPlan) -> None:
+        """Send each owner rank its KV heads of requests admitted with external KV."""
+        g = self.preset.num_query_groups // self.groups.tp_size
+        for adm in plan.admissions:
+            req = self.requests[adm.request_id]
+            if req.kv is None:
+                continue
+            for t in range(self.groups.tp_size):
+                part = req.kv[:, :, :, t * g : (t + 1) * g].contiguous()
+                dst = self.groups.global_rank(adm.owner, t)
+                if dst == 0:
+                    self.executor.local_ingest[adm.request_id] = part
+                else:
+                    dist.send(part.to(self.device, self.kv.spec.dtype), dst)
+            req.kv = None  # delivered
+
+    # ---------------------------------------------------------------- whole runs
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling_params: Optional[SamplingParams | Sequence[SamplingParams]] = None,
+    ) -> List[GenerationResult]:
+        """Serve ``prompts`` to completion on every rank; all ranks get the results."""
+        results = None
+        if self.groups.is_coordinator:
+            params = sampling_params
+            if params is None or isinstance(params, SamplingParams):
+                params = [params] * len(prompts)
+            ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+            while self.has_unfinished_requests():
+                self.step()
+            self.shutdown()
+            results = [self.result(i) for i in ids]
+        else:
+            self.serve()
+        box = [results]
+        dist.broadcast_object_list(box, src=0, device=self._object_device())
+        return box[0]
+
+    def result(self, request_id: int) -> GenerationResult:
+        req = self.requests[request_id]
+        logits = torch.stack(req.logits) if req.logits else None
+        return GenerationResult(
+            request_id, req.status, tuple(req.prompt), tuple(req.generated), req.owner,
+            req.timeline.reject_reason, logits,
+        )
+
+    def metrics(self) -> ServingMetrics:
+        """Serving metrics over every request submitted so far (coordinator)."""
+        self._require_coordinator("metrics")
+        timelines = [r.timeline for r in self.requests.values()]
+        return summarize(timelines, self.scheduler.waves, self.scheduler.reserved_fraction())
+
+    # ---------------------------------------------------------------- helpers
+    def _object_device(self) -> Optional[torch.device]:
+        return self.device if self.device.type == "cuda" else None
+
+    def _require_coordinator(self, what: str) -> None:
+        if not self.groups.is_coordinator:
+            raise RuntimeError(f"{what} is for the coordinator (global rank 0)")
