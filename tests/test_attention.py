@@ -150,3 +150,26 @@ def test_register_custom_backend():
     assert torch.count_nonzero(get_backend("zeros-test")(*case.args())) == 0
     register_backend("zeros-test", Zeros, available=lambda: False)
     assert "zeros-test" not in available_backends()
+
+
+def test_cases_poison_unowned_slots():
+    case = make_paged_case([1, 2], [5, 9], num_heads=2, num_kv_heads=1, head_dim=8, block_size=4)
+    assert torch.isnan(case.k_cache).any() and torch.isnan(case.v_cache).any()
+    assert not torch.isnan(get_backend("torch")(*case.args())).any()
+
+
+def test_split_heuristic():
+    from tknp_megatron.attention.triton_paged import TritonConfig, choose_num_splits
+
+    cfg = TritonConfig()  # waves 4, >= 256 tokens a split, <= 64 splits
+    assert choose_num_splits(8, 131072, 132, cfg) == 64  # few programs, long context: cap
+    assert choose_num_splits(8, 4096, 132, cfg) == 16  # bounded by 4096 / 256
+    assert choose_num_splits(32, 32768, 132, cfg) == 17  # ceil(528 / 32)
+    assert choose_num_splits(128, 32768, 132, cfg) == 5
+    assert choose_num_splits(1024, 32768, 132, cfg) == 1  # the batch already fills the GPU
+    assert choose_num_splits(4, 100, 132, cfg) == 1  # short context
+    assert choose_num_splits(4, 100000, 132, TritonConfig(num_splits=3)) == 3
+    with pytest.raises(ValueError):
+        TritonConfig(block_n=48)
+    with pytest.raises(ValueError):
+        TritonConfig(prefill="flash")

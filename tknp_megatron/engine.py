@@ -108,6 +108,7 @@ class TKNPInferenceEngine:
             model, placement, groups, self.kv, rope, backend, preset.vocab_size, device
         )
         self.requests: Dict[int, Request] = {}
+        self.peak_kv_tokens = [0] * groups.num_nodes  # per node, most tokens cached at once
         self._step = 0
         self.scheduler = None
         if groups.is_coordinator:
@@ -248,7 +249,16 @@ class TKNPInferenceEngine:
                 finished.append(rid)
             else:
                 tl.status = RequestStatus.RUNNING
+        self._track_peak(plan)
         return finished
+
+    def _track_peak(self, plan: StepPlan) -> None:
+        """Most KV tokens each node held during a step."""
+        cached = (plan.start_pos + plan.q_lens).tolist()
+        for node in range(self.groups.num_nodes):
+            lo, hi = plan.request_range(node)
+            used = sum(cached[lo:hi])
+            self.peak_kv_tokens[node] = max(self.peak_kv_tokens[node], used)
 
     def _send_ingested_kv(self, plan: StepPlan) -> None:
         """Send each owner rank its KV heads of requests admitted with external KV."""

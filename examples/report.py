@@ -1,0 +1,95 @@
+"""Summary table and JSON of a main-job run (examples/run_tknp_decode.py)."""
+
+from __future__ import annotations
+
+import json
+from typing import List, Optional
+
+
+def _compare(results, reference) -> dict:
+    """Token match against the reference, and the largest logit difference."""
+    if reference is None:
+        return dict(match_reference=None, token_match_rate=None, max_logit_diff=None)
+    matched = total = 0
+    max_diff = 0.0
+    for res, ref in zip(results, reference):
+        n = min(len(res.tokens), len(ref.tokens))
+        same = [a == b for a, b in zip(res.tokens, ref.tokens)]
+        matched += sum(same)
+        total += max(len(res.tokens), len(ref.tokens))
+        agree = same.index(False) + 1 if False in same else n  # logits comparable up to here
+        if res.logits is not None and agree:
+            diff = (res.logits[:agree].float() - ref.logits[:agree].float()).abs().max()
+            max_diff = max(max_diff, float(diff))
+    return dict(
+        match_reference=matched == total,
+        token_match_rate=matched / max(1, total),
+        max_logit_diff=max_diff,
+    )
+
+
+def build_report(args, prompts, results, summary, reference) -> dict:
+    metrics = summary["metrics"]
+    completed = [r for r in results if r.status.value == "completed"]
+    rejected = [r for r in results if r.status.value == "rejected"]
+    nodes = args.nodes
+    owned = [sum(1 for r in results if r.owner == n) for n in range(nodes)]
+    report = dict(
+        model=args.model,
+        nodes=nodes,
+        tp=args.tp,
+        device=args.device,
+        dtype=args.dtype,
+        requests=len(results),
+        completed=len(completed),
+        rejected=len(rejected),
+        reject_reasons={r.request_id: r.reject_reason for r in rejected},
+        outputs=[list(r.tokens) for r in results],
+        owners=[r.owner for r in results],
+        requests_per_node=owned,
+        waves=metrics.waves,
+        kv_capacity_tokens=list(summary["capacity"]),
+        kv_peak_tokens=list(summary["peak"]),
+        output_tokens=metrics.output_tokens,
+        completion_throughput_tok_s=metrics.completion_throughput_tok_s,
+        queue_wait_s_mean=metrics.queue_wait_s_mean,
+        itl_p95_s=metrics.itl_s_p95,
+        completion_time_s_mean=metrics.completion_time_s_mean,
+        placement=summary["placement"],
+    )
+    report.update(_compare(results, reference))
+    return report
+
+
+def _f(x: Optional[float], unit: str = "", scale: float = 1.0) -> str:
+    return "n/a" if x is None else f"{x * scale:.3g}{unit}"
+
+
+def print_report(r: dict) -> None:
+    lines: List[str] = [
+        f"TKNP decode: {r['model']} on {r['nodes']} nodes x TP{r['tp']} ({r['device']}, {r['dtype']})",
+        r["placement"],
+        "",
+        "node  requests  KV peak / capacity (tokens)",
+    ]
+    for n in range(r["nodes"]):
+        lines.append(
+            f"{n:>4}  {r['requests_per_node'][n]:>8}  {r['kv_peak_tokens'][n]:>6} / {r['kv_capacity_tokens'][n]}"
+        )
+    lines += [
+        "",
+        f"requests {r['requests']}  completed {r['completed']}  rejected {r['rejected']}  waves {r['waves']}",
+        f"output tokens {r['output_tokens']}  completion throughput {_f(r['completion_throughput_tok_s'])} tok/s",
+        f"queue wait mean {_f(r['queue_wait_s_mean'], ' ms', 1e3)}  ITL p95 {_f(r['itl_p95_s'], ' ms', 1e3)}"
+        f"  completion time mean {_f(r['completion_time_s_mean'], ' ms', 1e3)}",
+        f"match_reference: {str(r['match_reference']).lower()}  token match rate {_f(r['token_match_rate'])}"
+        f"  max logit diff {_f(r['max_logit_diff'])}",
+    ]
+    for rid, why in r["reject_reasons"].items():
+        lines.append(f"rejected: {why}")
+    print("\n".join(lines), flush=True)
+
+
+def write_json(report: dict, path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1, allow_nan=False, default=str)
