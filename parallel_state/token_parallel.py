@@ -74,6 +74,13 @@ def initialize_model_parallel(
         raise RuntimeError("token-parallel groups already initialised; destroy them first")
     world = dist.get_world_size()
     t = tensor_model_parallel_size
+    if t < 1 or (token_parallel_size is not None and token_parallel_size < 1):
+        # checked before world // t: 0 would divide by zero, and two negatives could
+        # multiply to the world size and reach Megatron, leaving its state half built
+        raise ValueError(
+            f"sizes must be >= 1: tensor_model_parallel_size {t}, "
+            f"token_parallel_size {token_parallel_size}"
+        )
     n = world // t if token_parallel_size is None else token_parallel_size
     if n * t != world:
         raise ValueError(

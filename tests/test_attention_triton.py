@@ -133,3 +133,15 @@ def test_bench_dry_run(tmp_path):
     rows = json.loads(out.read_text())["results"]
     assert rows and all(r["rel_err"] < 1e-2 for r in rows if r.get("status") == "ok")
     assert "triton_us" in proc.stdout
+
+
+def test_query_view_of_fused_qkv():
+    # Owners receive q as a slice of the fused QKV rows: row stride > Hq * d.
+    case = make_paged_case([1, 1], [21, 40], num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, seed=6)
+    fused = torch.randn(2, (4 + 2 * 2) * 16)
+    fused[:, : 4 * 16] = case.q.reshape(2, -1)
+    q = fused[:, : 4 * 16].view(2, 4, 16)
+    assert not q.is_contiguous()
+    args = (q, case.k_cache, case.v_cache, case.meta, case.scale)
+    out = get_backend("triton", "cpu", num_splits=2, block_n=16)(*args)
+    torch.testing.assert_close(out, get_backend("torch")(*args), atol=1e-4, rtol=1e-4)

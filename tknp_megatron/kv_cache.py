@@ -37,6 +37,7 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free: Deque[int] = deque(range(num_blocks))
+        self._is_free = [True] * num_blocks  # catches a double free even when others are out
 
     @property
     def num_free(self) -> int:
@@ -62,13 +63,22 @@ class BlockAllocator:
         n = self.blocks_for(tokens)
         if n > self.num_free:
             raise OutOfBlocks(f"need {n} blocks for {tokens} tokens, {self.num_free} free")
-        return [self._free.popleft() for _ in range(n)]
+        blocks = [self._free.popleft() for _ in range(n)]
+        for b in blocks:
+            self._is_free[b] = False
+        return blocks
 
     def free(self, blocks: Sequence[int]) -> None:
-        """Return blocks to the free list."""
+        """Return blocks to the free list; checked before anything changes."""
+        blocks = list(blocks)
+        for b in blocks:
+            if not 0 <= b < self.num_blocks:
+                raise ValueError(f"block {b} outside [0, {self.num_blocks})")
+        if len(set(blocks)) != len(blocks) or any(self._is_free[b] for b in blocks):
+            raise RuntimeError(f"double free: a block of {blocks} is already free")
+        for b in blocks:
+            self._is_free[b] = True
         self._free.extend(blocks)
-        if len(self._free) > self.num_blocks:
-            raise RuntimeError("double free: more free blocks than exist")
 
 
 @dataclass(frozen=True)

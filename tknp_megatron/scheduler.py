@@ -25,7 +25,7 @@ __all__ = ["LoadPolicy", "SchedulerConfig", "ScheduleResult", "Scheduler"]
 class LoadPolicy(str, enum.Enum):
     """How a node's KV load is measured when choosing an owner."""
 
-    USAGE = "usage"  # tokens currently cached
+    USAGE = "usage"  # context tokens of its requests (cached, or being prefilled now)
     RESERVED = "reserved"  # tokens reserved (prompt + max new) by its requests
 
 
@@ -101,7 +101,7 @@ class Scheduler:
         reqs = self.running[node]
         if self.config.policy is LoadPolicy.RESERVED:
             return sum(r.reserved_tokens for r in reqs)
-        return sum(r.num_cached for r in reqs)
+        return sum(len(r.prompt) + len(r.generated) for r in reqs)
 
     def _eligible(self, request: Request) -> List[int]:
         need = request.reserved_tokens

@@ -126,7 +126,9 @@ def run_shape(env, args, batch, ctx, hq, hkv):
         block_size=args.block_size, dtype=dtype, device=device, seed=batch + ctx + hq)
     qs = [case.q] + [torch.randn_like(case.q) for _ in range(args.query_sets - 1)]
     out = check_and_time_triton(env, args, case, qs, row)
-    time_baselines(env, case, qs, out, row)
+    time_contiguous_kernels(env, case, qs, out, row)
+    del case, qs, out
+    time_copy(env, row)
     for name in ("triton", "sdpa", "copy"):
         row[f"{name}_TBps"] = row["kv_bytes"] / (row[f"{name}_us"] * 1e-6) / 1e12
     row["pct_of_copy"] = 100.0 * row["triton_TBps"] / row["copy_TBps"]
@@ -164,9 +166,9 @@ def check_and_time_triton(env, args, case, qs, row):
     return out
 
 
-def time_baselines(env, case, qs, out, row):
-    """SDPA (and flash-attn) on contiguous K/V, and the copy ceiling."""
-    torch, F, timer = env["torch"], env["F"], env["timer"]
+def time_contiguous_kernels(env, case, qs, out, row):
+    """SDPA (and flash-attn) on contiguous K/V; the copies are freed on return."""
+    F, timer = env["F"], env["timer"]
     batch, hq, hkv, d, scale = row["B"], row["hq"], row["hkv"], row["head_dim"], case.scale
     k = attn_gather(env, case.k_cache, case.meta.block_table, row["ctx"])  # [B, Hkv, ctx, d]
     v = attn_gather(env, case.v_cache, case.meta.block_table, row["ctx"])
@@ -180,8 +182,11 @@ def time_baselines(env, case, qs, out, row):
         kf, vf = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()  # [B, ctx, Hkv, d]
         qq, fa, lens = [q.unsqueeze(1) for q in qs], env["flash"].flash_attn_with_kvcache, case.meta.seq_lens
         row["flash_us"] = timer(lambda i: fa(qq[i % len(qq)], kf, vf, cache_seqlens=lens, softmax_scale=scale))
-        del kf, vf
-    del k, v
+
+
+def time_copy(env, row):
+    """The ceiling: a device copy moving ``kv_bytes`` (reads half of it, writes half)."""
+    torch, timer = env["torch"], env["timer"]
     src = torch.empty(row["kv_bytes"] // 2, dtype=torch.uint8, device=env["device"])
     dst = torch.empty_like(src)
     row["copy_us"] = timer(lambda i: dst.copy_(src))  # reads kv_bytes/2, writes kv_bytes/2

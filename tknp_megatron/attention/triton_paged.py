@@ -22,7 +22,7 @@ import functools
 import importlib.util
 import os
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 
@@ -30,7 +30,7 @@ from .base import AttentionBackend, AttentionMetadata
 from .registry import register_backend
 from .sdpa import sdpa_paged
 
-__all__ = ["TritonConfig", "TritonPagedBackend", "choose_num_splits", "decode_grid"]
+__all__ = ["TritonConfig", "TritonPagedBackend", "choose_num_splits", "triton_importable"]
 
 H200_NUM_SMS = 132
 
@@ -84,11 +84,6 @@ def choose_num_splits(programs: int, max_kv_len: int, num_sms: int, config: Trit
     want = -(-config.waves * num_sms // max(programs, 1))
     by_length = max(1, max_kv_len // config.min_split_tokens)
     return max(1, min(want, by_length, config.max_splits))
-
-
-def decode_grid(num_requests: int, num_kv_heads: int, num_splits: int) -> Tuple[int, int, int]:
-    """Grid of the decode kernel: (requests, kv heads, splits)."""
-    return (num_requests, num_kv_heads, num_splits)
 
 
 def _next_pow2(x: int) -> int:

@@ -1,0 +1,134 @@
+"""Pool workers for the end-to-end TKNP tests (module level so spawn can pickle them)."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One engine run: prompts, per-request sampling, KV budget, optional external KV."""
+
+    name: str
+    preset: str
+    prompts: Tuple[Tuple[int, ...], ...]
+    max_new: Tuple[int, ...]
+    kv_tokens_per_node: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    ingest: bool = False  # use the reference's KV for prompt[:-1]
+    block_size: int = 4
+    extra_bad: bool = False  # append invalid requests
+
+
+def params_for(s: Scenario):
+    from tknp_megatron.sampling import SamplingParams
+
+    return [
+        SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, max_new_tokens=m, seed=7)
+        for m in s.max_new
+    ]
+
+
+def reference_worker(rank, world, scenarios: Sequence[Scenario], seed: int):
+    """Megatron GPTModel reference for each scenario, plus K/V of prompt[:-1] per request."""
+    warnings.simplefilter("ignore")
+    import parallel_state as ps
+    from tknp_megatron.config import get_preset
+    from tknp_megatron.reference import build_reference_model, reference_generate
+    from tknp_megatron.weights import fill_seeded_
+
+    ps.initialize_model_parallel(1)
+    out = {}
+    models = {}
+    for s in scenarios:
+        preset = get_preset(s.preset)
+        if s.preset not in models:
+            m = build_reference_model(preset)
+            fill_seeded_(m, preset, seed)
+            models[s.preset] = m
+        model = models[s.preset]
+        ref = reference_generate(model, preset, s.prompts, params_for(s))
+        kv = [prefill_kv(model, preset, p[:-1]) for p in s.prompts] if s.ingest else None
+        out[s.name] = (ref, kv)
+    return out
+
+
+def prefill_kv(model, preset, tokens) -> torch.Tensor:
+    """``[layers, 2, len(tokens), Hkv, d]`` post-RoPE K/V as a prefill server computes them,
+    captured from the inputs of Megatron's core attention in the reference model."""
+    from tknp_megatron.reference import reference_logits
+    from tknp_megatron.rope import Rope
+
+    captured = []
+    hooks = [
+        layer.self_attention.core_attention.register_forward_pre_hook(
+            lambda mod, args, kw: captured.append((args[1], args[2])), with_kwargs=True
+        )
+        for layer in model.decoder.layers
+    ]
+    try:
+        rope = Rope(preset, model.config, torch.device("cpu"))
+        reference_logits(model, rope, torch.tensor(list(tokens)), preset.vocab_size)
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.stack([torch.stack([k[:, 0], v[:, 0]]) for k, v in captured])
+
+
+def tknp_worker(rank, world, shapes, scenarios, seed, kv_by_scenario):
+    """For each (N, T) of this world and each scenario, run the engine; rank 0 returns."""
+    warnings.simplefilter("ignore")
+    import parallel_state as ps
+    from tknp_megatron.config import get_preset
+    from tknp_megatron.engine import EngineConfig, TKNPInferenceEngine
+    from tknp_megatron.model import build_rank_model
+    from tknp_megatron.placement import balanced_placement
+    from tknp_megatron.weights import fill_seeded_
+
+    out = {}
+    for n, t in shapes:
+        groups = ps.initialize_model_parallel(tensor_model_parallel_size=t, token_parallel_size=n)
+        for s in scenarios:
+            preset = get_preset(s.preset)
+            placement = balanced_placement(preset, n)
+            model = build_rank_model(preset, placement, groups, torch.float32, torch.device("cpu"))
+            fill_seeded_(model, preset, seed)
+            config = EngineConfig(block_size=s.block_size, kv_tokens_per_node=s.kv_tokens_per_node,
+                                  record_logits=True, attention_backend="torch")
+            engine = TKNPInferenceEngine(model, preset, placement, groups, config, torch.device("cpu"))
+            out[(n, t, s.name)] = run_scenario(engine, s, kv_by_scenario.get(s.name))
+        ps.destroy_model_parallel()
+    return out if rank == 0 else None
+
+
+def run_scenario(engine, s: Scenario, kvs):
+    """Submit the scenario on the coordinator and serve it; return results and metrics."""
+    from tknp_megatron.sampling import SamplingParams
+
+    if not engine.groups.is_coordinator:
+        engine.serve()
+        return None
+    ids = []
+    for i, (prompt, p) in enumerate(zip(s.prompts, params_for(s))):
+        kv = kvs[i] if kvs is not None else None
+        ids.append(engine.add_request(list(prompt), p, kv=kv))
+    if s.extra_bad:
+        vocab = engine.preset.vocab_size
+        bad = [([], SamplingParams(max_new_tokens=2)), ([1, vocab + 5], SamplingParams(max_new_tokens=2)),
+               ([1, 2], SamplingParams(max_new_tokens=0)),
+               ([1] * 8, SamplingParams(max_new_tokens=s.kv_tokens_per_node * 4))]
+        ids += [engine.add_request(p, sp) for p, sp in bad]
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.shutdown()
+    return dict(
+        results=[engine.result(i) for i in ids],
+        waves=engine.metrics().waves,
+        capacity=engine.kv_capacity_tokens,
+    )
