@@ -1,6 +1,6 @@
 """tknp-megatron: Decode Token Parallelism (TKNP) for NVIDIA Megatron-Core."""
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="tknp-megatron",
@@ -8,12 +8,7 @@ setup(
     description="Decode Token Parallelism (TKNP) for LLM decode serving on Megatron-Core",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    packages=[
-        "tknp_megatron",
-        "tknp_megatron.attention",
-        "tknp_megatron.baselines",
-        "parallel_state",
-    ],
+    packages=find_packages(include=["tknp_megatron", "tknp_megatron.*", "parallel_state"]),
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",

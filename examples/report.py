@@ -19,7 +19,7 @@ def _compare(results, reference) -> dict:
         total += max(len(res.tokens), len(ref.tokens))
         agree = same.index(False) + 1 if False in same else n  # logits comparable up to here
         if res.logits is not None and agree:
-            diff = (res.logits[:agree].float() - ref.logits[:agree].float()).abs().max()
+            diff = (res.logits[:agree].float().cpu() - ref.logits[:agree].float().cpu()).abs().max()
             max_diff = max(max_diff, float(diff))
     return dict(
         match_reference=matched == total,

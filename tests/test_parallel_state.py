@@ -1,17 +1,23 @@
-"""Token-parallel process groups on real gloo pools, one pool per world size.
+"""Token-parallel process groups on real gloo pools.
 
-Each pool goes through every (N, T) shape of its world size in turn (initialise, check,
-destroy, re-initialise), since a pool costs seconds of Megatron import per rank. The
-workers only observe (coordinates, collective results, Megatron's getters, errors); the
-parent checks those observations against the layout rank = node * T + tp_rank.
+Starting a pool costs seconds of Megatron import per rank, so one spawn of 4 processes
+does everything: the world of 4 goes through its (N, T) shapes in turn (initialise,
+check, destroy, re-initialise); then the default group is torn down and the processes
+form two independent worlds of 2, then four worlds of 1, each going through its shapes.
+The workers only observe (coordinates, collective results, Megatron's getters, errors);
+the parent checks the observations against the layout rank = node * T + tp_rank.
 """
+
+import os
+import socket
 
 import pytest
 import torch
 
 from tknp_megatron.launch import spawn
 
-SHAPES_BY_WORLD = {1: [(1, 1)], 2: [(2, 1), (1, 2)], 4: [(2, 2), (4, 1), (1, 4)]}
+SHAPES_BY_WORLD = {4: [(2, 2), (4, 1), (1, 4)], 2: [(2, 1), (1, 2)], 1: [(1, 1)]}
+POOL = max(SHAPES_BY_WORLD)
 TIMEOUT_S = 120
 
 
@@ -71,6 +77,7 @@ def _observe(ps, num_nodes: int, tp_size: int, pass_n: bool) -> dict:
         mpu_dp_world=mpu.get_data_parallel_world_size(),
         mpu_pp_world=mpu.get_pipeline_model_parallel_world_size(),
         mpu_tp_members=_members(mpu.get_tensor_model_parallel_group()),
+        tp_group_is_megatrons=groups.tp_group is mpu.get_tensor_model_parallel_group(),
         mpu_dp_members=_members(mpu.get_data_parallel_group()),
         outside_pool=_raises(groups.global_rank, num_nodes, 0) + "," + _raises(groups.global_rank, 0, tp_size),
         twice=_raises(ps.initialize_model_parallel, tensor_model_parallel_size=tp_size),
@@ -81,11 +88,11 @@ def _observe(ps, num_nodes: int, tp_size: int, pass_n: bool) -> dict:
     return obs
 
 
-def shapes_worker(rank: int, world: int, shapes) -> dict:
-    """Run every shape in ``shapes`` in this pool; bad sizes are tried between shapes."""
+def _run_shapes(world: int, shapes) -> dict:
+    """Run every shape in ``shapes`` in the current world; bad sizes are tried before each."""
     import parallel_state as ps
 
-    out = {"bad_sizes": {}, "shapes": []}
+    out = {"bad_sizes": [], "shapes": []}
     for i, (n, t) in enumerate(shapes):
         # bad sizes first: they must raise without leaving anything initialised
         for bad in [dict(tensor_model_parallel_size=t, token_parallel_size=n + 1),
@@ -93,10 +100,34 @@ def shapes_worker(rank: int, world: int, shapes) -> dict:
                     dict(tensor_model_parallel_size=0),
                     dict(tensor_model_parallel_size=-1),
                     dict(tensor_model_parallel_size=t, token_parallel_size=0)]:
-            key = (bad.get("tensor_model_parallel_size"), bad.get("token_parallel_size"))
-            out["bad_sizes"][key] = (_raises(ps.initialize_model_parallel, **bad),
-                                     ps.model_parallel_is_initialized())
+            raised = _raises(ps.initialize_model_parallel, **bad)
+            out["bad_sizes"].append((bad, raised, ps.model_parallel_is_initialized()))
         out["shapes"].append(_observe(ps, n, t, pass_n=i % 2 == 0))
+    return out
+
+
+def pools_worker(rank: int, world: int, shapes_by_world) -> dict:
+    """Run the shapes of the launch world, then of smaller worlds carved out of it."""
+    import torch.distributed as dist
+    from tknp_megatron.launch import init_distributed
+
+    out = {world: _run_shapes(world, shapes_by_world[world])}
+    smaller = sorted((s for s in shapes_by_world if s < world), reverse=True)
+    # one port per later world, held open during the exchange so no two ranks share one
+    socks = [socket.socket() for _ in smaller]
+    for sock in socks:
+        sock.bind(("127.0.0.1", 0))
+    ports = [None] * world
+    dist.all_gather_object(ports, [sock.getsockname()[1] for sock in socks])
+    for sock in socks:
+        sock.close()
+    dist.destroy_process_group()
+    for i, size in enumerate(smaller):
+        leader = rank - rank % size
+        os.environ["MASTER_PORT"] = str(ports[leader][i])
+        init_distributed("gloo", rank % size, size, timeout_s=TIMEOUT_S)
+        out[size] = _run_shapes(size, shapes_by_world[size])
+        dist.destroy_process_group()
     return out
 
 
@@ -128,6 +159,7 @@ def _expected(rank: int, n: int, t: int) -> dict:
         mpu_dp_world=n,
         mpu_pp_world=1,
         mpu_tp_members=tp,
+        tp_group_is_megatrons=True,
         mpu_dp_members=tknp,
         outside_pool="ValueError,ValueError",
         twice="RuntimeError",
@@ -136,16 +168,24 @@ def _expected(rank: int, n: int, t: int) -> dict:
     )
 
 
+@pytest.fixture(scope="module")
+def pool_results():
+    """Per process of the pool, per world size, what that process observed."""
+    results = spawn(pools_worker, POOL, (SHAPES_BY_WORLD,), timeout_s=TIMEOUT_S)
+    assert len(results) == POOL
+    return results
+
+
 @pytest.mark.parametrize("world", sorted(SHAPES_BY_WORLD))
-def test_token_parallel_groups(world):
+def test_token_parallel_groups(pool_results, world):
     shapes = SHAPES_BY_WORLD[world]
-    results = spawn(shapes_worker, world, (shapes,), timeout_s=TIMEOUT_S)
-    assert len(results) == world
-    for rank, res in enumerate(results):
-        for (n, t), obs in zip(shapes, res["shapes"]):
+    for proc, res in enumerate(pool_results):
+        rank = proc % world  # the process's rank in its world of this size
+        for (n, t), obs in zip(shapes, res[world]["shapes"], strict=True):
             expected = _expected(rank, n, t)
             wrong = {k: (obs[k], v) for k, v in expected.items() if obs[k] != v}
-            assert not wrong, f"rank {rank} of ({n}, {t}): (got, expected) {wrong}"
-        for key, (raised, initialized) in res["bad_sizes"].items():
-            assert raised == "ValueError", f"rank {rank}: sizes {key} raised {raised or 'nothing'}"
+            assert not wrong, f"rank {rank}/{world} of ({n}, {t}): (got, expected) {wrong}"
+        assert len(res[world]["bad_sizes"]) == 5 * len(shapes)
+        for sizes, raised, initialized in res[world]["bad_sizes"]:
+            assert raised == "ValueError", f"rank {rank}/{world}: {sizes} raised {raised or 'nothing'}"
             assert not initialized

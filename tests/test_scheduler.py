@@ -1,11 +1,12 @@
 """Scheduler against a simple reference, over random arrivals and random completions.
 
 The reference (:class:`RefScheduler`) keeps only counts: free blocks and free slots per
-node, and per running request its node, reservation and cached tokens. Its rule is the
-paper's: FCFS; the head of the queue goes to the eligible node (a free slot and free
-blocks for prompt + max_new_tokens) with the lowest load, ties to the lowest node id;
-if the head fits nowhere everyone waits. Decode progress is simulated by setting
-``num_cached`` on the requests.
+node, and per running request its node, reservation, context and cached tokens. Its rule
+is the paper's: FCFS; the head of the queue goes to the eligible node (a free slot and
+free blocks for prompt + max_new_tokens) with the lowest load, ties to the lowest node
+id; if the head fits nowhere everyone waits. Load is the context tokens (prompt +
+generated, so a request admitted this step counts at once) or the reserved tokens.
+Decode progress is simulated by setting ``num_cached`` and ``generated`` on the requests.
 """
 
 import math
@@ -34,6 +35,7 @@ class _RefEntry:
     prompt_len: int
     reserved: int
     num_cached: int = 0
+    generated: int = 0
 
 
 class RefScheduler:
@@ -54,7 +56,7 @@ class RefScheduler:
         entries = [e for e in self.running.values() if e.node == node]
         if self.policy is LoadPolicy.RESERVED:
             return sum(e.reserved for e in entries)
-        return sum(e.num_cached for e in entries)
+        return sum(e.prompt_len + e.generated for e in entries)
 
     def cached(self, node):
         return sum(e.num_cached for e in self.running.values() if e.node == node)
@@ -138,7 +140,7 @@ def _simulate(seed: int, policy: LoadPolicy) -> Scheduler:
     fit = sched.max_fit_tokens()
     scale = rng.choice([0.15, 1.0])  # small requests run many at once; large ones queue
     assert fit == max(blocks) * block_size
-    by_id, owner_at_admission, next_id, finished = {}, {}, 0, []
+    owner_at_admission, next_id, finished = {}, 0, []
     for step in range(3000):
         clock_now[0] = float(step)
         if next_id < 40:
@@ -146,7 +148,6 @@ def _simulate(seed: int, policy: LoadPolicy) -> Scheduler:
                 max_new = rng.randint(1, max(1, int(fit * scale) // 3))
                 prompt_len = rng.randint(1, max(1, int(fit * scale) - max_new))
                 req = _request(next_id, prompt_len, max_new)
-                by_id[next_id] = req
                 sched.enqueue(req)
                 ref.waiting.append((next_id, prompt_len, max_new))
                 next_id += 1
@@ -166,7 +167,8 @@ def _simulate(seed: int, policy: LoadPolicy) -> Scheduler:
         for req in result.batch:
             assert req.owner == owner_at_admission[req.request_id]  # ownership never changes
             _advance(req)
-            ref.running[req.request_id].num_cached = req.num_cached
+            entry = ref.running[req.request_id]
+            entry.num_cached, entry.generated = req.num_cached, len(req.generated)
         _check_node_invariants(sched, ref)
         for req in result.batch:
             if req.finished() or rng.random() < 0.05:  # max tokens, or an early EOS
@@ -279,7 +281,7 @@ def test_ties_go_to_lowest_node_and_policies_differ():
 
 def test_slots_limit_admission():
     sched = Scheduler(
-        SchedulerConfig(max_requests_per_node=2), [BlockAllocator(100, 4)] * 1, clock=lambda: 0.0
+        SchedulerConfig(max_requests_per_node=2), [BlockAllocator(100, 4)], clock=lambda: 0.0
     )
     reqs = [_request(i, 2, 2) for i in range(3)]
     for r in reqs:
@@ -289,3 +291,14 @@ def test_slots_limit_admission():
     assert [r.slot for r in sched.schedule().admitted] == [0]
     with pytest.raises(ValueError):
         SchedulerConfig(max_requests_per_node=0)
+
+
+def test_usage_counts_requests_admitted_in_the_same_step():
+    # two nodes, nothing cached yet: the second admission of a step sees the first's prompt
+    sched = Scheduler(SchedulerConfig(), [BlockAllocator(100, 4) for _ in range(2)], lambda: 0.0)
+    reqs = [_request(0, 8, 2), _request(1, 3, 2), _request(2, 4, 2)]
+    for r in reqs:
+        sched.enqueue(r)
+    sched.schedule()
+    # loads after each admission: (8, 0) -> node 1; (8, 3) -> node 1; (8, 7)
+    assert [r.owner for r in reqs] == [0, 1, 1]

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
-__all__ = ["SDPACoreAttention"]
+__all__ = ["SDPACoreAttention", "cpu_torch_dist_save_strategy"]
 
 
 class SDPACoreAttention(MegatronModule):
@@ -47,3 +47,35 @@ class SDPACoreAttention(MegatronModule):
         v = value.repeat_interleave(group, dim=2).permute(1, 2, 0, 3).float()
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         return out.to(query.dtype).permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+
+
+def cpu_torch_dist_save_strategy():
+    """A ``torch_dist`` save strategy for CPU / gloo pools (tests and CPU conversion).
+
+    Why a shim: Megatron's ``TorchDistSaveShardedStrategy`` always goes through its async
+    writer, which starts a multiprocessing ``Manager`` and forked writer processes (refused
+    inside daemonic pool workers), calls ``torch.cuda.synchronize`` and reduces a
+    ``device='cuda'`` tensor when finalising. This subclass keeps Megatron's own state-dict
+    translation (``_replace_state_dict_keys_with_sharded_keys``, ``mcore_to_pyt_state_dict``)
+    and save planner, and writes synchronously with PyTorch DCP's ``FileSystemWriter``: the
+    files are the same ``torch_dist`` layout (``.metadata`` + ``*.distcp``) that Megatron's
+    ``TorchDistLoadShardedStrategy`` reads. Pass it as ``dist_checkpointing.save(...,
+    sharded_strategy=cpu_torch_dist_save_strategy())``.
+    """
+    from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import save as dcp_save
+
+    class _CPUTorchDistSave(mcore_torch.TorchDistSaveShardedStrategy):
+        def save(self, sharded_state_dict, checkpoint_dir):
+            sd, _, _ = mcore_torch._replace_state_dict_keys_with_sharded_keys(
+                sharded_state_dict, self.keep_only_main_replica
+            )
+            pyt_sd = mcore_torch.mcore_to_pyt_state_dict(sd, False)
+            planner = mcore_torch.MCoreSavePlanner(
+                dedup_replicated_tensors=not self.keep_only_main_replica,
+                flatten_state_dict=False,
+            )
+            dcp_save(pyt_sd, storage_writer=FileSystemWriter(checkpoint_dir), planner=planner)
+
+    return _CPUTorchDistSave("torch_dist", 1, thread_count=1)

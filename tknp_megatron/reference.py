@@ -106,5 +106,5 @@ def reference_generate(
             tokens.append(int(tok[0]))
             if p.eos_id is not None and tokens[-1] == p.eos_id:
                 break
-        out.append(ReferenceOutput(tuple(tokens[len(prompt):]), torch.stack(logits_rows)))
+        out.append(ReferenceOutput(tuple(tokens[len(prompt):]), torch.stack(logits_rows).cpu()))
     return out

@@ -1,0 +1,204 @@
+"""Megatron distributed checkpoints: TP=2 GPTModel saved with dist_checkpointing, served by TKNP.
+
+A plain Megatron-Core ``GPTModel`` at TP=2 is filled from the seeded source and saved in
+``torch_dist`` format. TKNP pools (N, T) = (2, 1) and (2, 2) load it into StageModels
+(built uninitialised, so any weight the load missed shows up as garbage) and decode; the
+TP=1 reference GPTModel loads the same checkpoint. Greedy tokens equal, logits within 1e-4.
+
+Memory: a bigger model (hidden 512, 8 layers, vocab 16000, ~190 MB fp32) is saved at TP=4,
+then a *fresh* N=4, T=1 pool loads it; each rank samples its process RSS every ~1 ms from
+a thread during ``load_megatron_checkpoint``. Parameters are allocated uninitialised
+before the baseline (untouched pages are not resident), so the RSS growth counts the
+pages the load writes plus any staging copies: it must stay near the rank's own
+parameter bytes and well below the full model's.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import warnings
+
+import pytest
+import torch
+
+from tknp_megatron.checkpoint import preset_from_model_config
+from tknp_megatron.config import get_preset
+from tknp_megatron.launch import spawn
+from tests.tknp_workers import Scenario, run_scenario
+
+SEED = 11
+SCENARIO = Scenario(
+    "ckpt", "tiny",
+    prompts=((5, 17, 300, 2), (9, 9, 1, 44, 200, 3, 7, 100, 8), (400,)),
+    max_new=(6, 4, 5), kv_tokens_per_node=128,
+)
+BIG = dict(num_layers=8, hidden_size=512, num_attention_heads=8, num_query_groups=4,
+           ffn_hidden_size=2048, normalization="RMSNorm", gated_linear_unit=True,
+           add_bias_linear=False, activation="silu", vocab_size=16000,
+           max_sequence_length=256, name="big-ckpt")
+
+
+def _gpt_model(preset, tp: int):
+    """A real Megatron GPTModel at TP=tp (local spec, SDPA core attention shim)."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from tknp_megatron.cpu_shims import SDPACoreAttention
+    from tknp_megatron.model import _final_norm_spec, layer_spec, padded_vocab_size
+
+    config = preset.to_transformer_config(tp, torch.float32, use_cpu_initialization=True)
+    spec = layer_spec(preset)
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    block = TransformerBlockSubmodules(
+        layer_specs=[spec] * preset.num_layers, layer_norm=_final_norm_spec(preset, False)
+    )
+    return GPTModel(config, block, vocab_size=padded_vocab_size(preset, tp),
+                    max_sequence_length=preset.gpt.max_sequence_length,
+                    position_embedding_type=preset.gpt.position_embedding_type,
+                    share_embeddings_and_output_weights=False).eval()
+
+
+def _save(preset, tp: int, ckpt_dir: str) -> None:
+    import parallel_state as ps
+    from megatron.core import dist_checkpointing
+
+    from tknp_megatron.cpu_shims import cpu_torch_dist_save_strategy
+    from tknp_megatron.weights import fill_seeded_
+
+    ps.initialize_model_parallel(tp)
+    model = _gpt_model(preset, tp)
+    fill_seeded_(model, preset, SEED)
+    dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir,
+                            sharded_strategy=cpu_torch_dist_save_strategy())
+    ps.destroy_model_parallel()
+
+
+def _serve(n: int, t: int, ckpt_dir: str):
+    import parallel_state as ps
+    from tknp_megatron.checkpoint import load_megatron_checkpoint
+    from tknp_megatron.engine import EngineConfig, TKNPInferenceEngine
+    from tknp_megatron.model import build_rank_model
+    from tknp_megatron.placement import balanced_placement
+
+    preset = get_preset(SCENARIO.preset)
+    groups = ps.initialize_model_parallel(tensor_model_parallel_size=t, token_parallel_size=n)
+    placement = balanced_placement(preset, n)
+    model = build_rank_model(preset, placement, groups, torch.float32, torch.device("cpu"))
+    load_megatron_checkpoint(model, ckpt_dir)
+    config = EngineConfig(block_size=4, kv_tokens_per_node=SCENARIO.kv_tokens_per_node,
+                          record_logits=True, attention_backend="torch")
+    engine = TKNPInferenceEngine(model, preset, placement, groups, config, torch.device("cpu"))
+    out = run_scenario(engine, SCENARIO, None)
+    ps.destroy_model_parallel()
+    return out
+
+
+def world2_worker(rank, world, ckpt_dir):
+    """Save at TP=2; serve with (N, T) = (2, 1); the TP=1 reference loads the checkpoint."""
+    warnings.simplefilter("ignore")
+    import parallel_state as ps
+    from tknp_megatron.checkpoint import load_megatron_checkpoint
+    from tknp_megatron.reference import build_reference_model, reference_generate
+    from tests.tknp_workers import params_for
+
+    preset = get_preset(SCENARIO.preset)
+    _save(preset, 2, ckpt_dir)
+    tknp = _serve(2, 1, ckpt_dir)
+    ps.initialize_model_parallel(1)
+    ref_model = build_reference_model(preset)
+    load_megatron_checkpoint(ref_model, ckpt_dir)  # collective: every rank loads
+    ref = reference_generate(ref_model, preset, SCENARIO.prompts, params_for(SCENARIO))
+    ps.destroy_model_parallel()
+    return (tknp, ref) if rank == 0 else None
+
+
+def world4_worker(rank, world, ckpt_dir, big_dir):
+    """Serve the tiny checkpoint with (2, 2); save the big model at TP=4."""
+    warnings.simplefilter("ignore")
+    tknp = _serve(2, 2, ckpt_dir)
+    _save(preset_from_model_config(BIG), 4, big_dir)
+    return tknp if rank == 0 else None
+
+
+def memory_worker(rank, world, big_dir):
+    """Fresh N=4 pool: RSS growth while loading vs the rank's own parameter bytes."""
+    warnings.simplefilter("ignore")
+    import psutil
+
+    import parallel_state as ps
+    from tknp_megatron.checkpoint import load_megatron_checkpoint
+    from tknp_megatron.model import build_rank_model
+    from tknp_megatron.placement import balanced_placement
+
+    preset = preset_from_model_config(BIG)
+    groups = ps.initialize_model_parallel(tensor_model_parallel_size=1, token_parallel_size=world)
+    placement = balanced_placement(preset, world)
+    model = build_rank_model(preset, placement, groups, torch.float32, torch.device("cpu"))
+    own = sum(p.numel() * p.element_size() for p in model.parameters())
+    proc = psutil.Process()
+    base = peak = proc.memory_info().rss
+    done = threading.Event()
+
+    def sample():
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, proc.memory_info().rss)
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    load_megatron_checkpoint(model, big_dir)
+    done.set()
+    sampler.join()
+    peak = max(peak, proc.memory_info().rss)
+    finite = all(torch.isfinite(p).all() for p in model.parameters())
+    ps.destroy_model_parallel()
+    return dict(own=own, growth=peak - base, finite=finite)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tiny = str(tmp_path_factory.mktemp("tiny_tp2"))
+    big = str(tmp_path_factory.mktemp("big_tp4"))
+    tknp21, ref = spawn(world2_worker, 2, (tiny,), timeout_s=180)[0]
+    tknp22 = spawn(world4_worker, 4, (tiny, big), timeout_s=180)[0]
+    memory = spawn(memory_worker, 4, (big,), timeout_s=180)
+    return {(2, 1): tknp21, (2, 2): tknp22, "ref": ref, "memory": memory}
+
+
+@pytest.mark.parametrize("shape", [(2, 1), (2, 2)], ids=lambda s: f"N{s[0]}T{s[1]}")
+def test_tknp_from_tp2_checkpoint_matches_reference(runs, shape):
+    for res, exp in zip(runs[shape]["results"], runs["ref"]):
+        assert res.status.value == "completed", res.reject_reason
+        assert res.tokens == exp.tokens
+        torch.testing.assert_close(res.logits, exp.logits, atol=1e-4, rtol=0)
+
+
+def test_load_memory_is_per_block(runs):
+    full = preset_from_model_config(BIG).total_params() * 4
+    for rank, m in enumerate(runs["memory"]):
+        assert m["finite"]
+        assert m["own"] < 0.4 * full  # the rank stores about a quarter
+        # one copy of its own parameters plus small staging; never the full model
+        assert m["growth"] < 1.5 * m["own"] + 16 * 2**20, (rank, m, full)
+        assert m["growth"] < 0.6 * full, (rank, m, full)
+
+
+def test_model_config_rejects_unknown_keys():
+    with pytest.raises(ValueError, match=r"\['hiden_size'\]"):
+        preset_from_model_config({**BIG, "hiden_size": 3})
+    with pytest.raises(ValueError, match="max_sequence_length"):
+        preset_from_model_config({k: v for k, v in BIG.items() if k != "max_sequence_length"})
+
+
+def test_model_config_file(tmp_path):
+    from tknp_megatron.checkpoint import load_model_config
+
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps({**BIG, "params_dtype": "bfloat16"}))
+    preset, dtype = load_model_config(path)
+    assert dtype == torch.bfloat16
+    assert preset.kv_channels == 64 and preset.num_query_groups == 4 and preset.gated
+    assert preset.to_transformer_config().ffn_hidden_size == 2048
