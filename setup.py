@@ -17,7 +17,7 @@ setup(
         "packaging",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "triton", "psutil"],
+        "test": ["pytest>=8", "pytest-timeout", "triton", "psutil", "matplotlib>=3.6", "transformers", "safetensors"],
         "gpu": ["triton"],
         "te": ["transformer-engine[pytorch]"],
         "flash": ["flash-attn"],

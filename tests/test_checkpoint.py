@@ -60,7 +60,7 @@ def _gpt_model(preset, tp: int):
                     share_embeddings_and_output_weights=False).eval()
 
 
-def _save(preset, tp: int, ckpt_dir: str) -> None:
+def _save(preset, tp: int, ckpt_dir: str, seeded: bool = True) -> None:
     import parallel_state as ps
     from megatron.core import dist_checkpointing
 
@@ -69,7 +69,11 @@ def _save(preset, tp: int, ckpt_dir: str) -> None:
 
     ps.initialize_model_parallel(tp)
     model = _gpt_model(preset, tp)
-    fill_seeded_(model, preset, SEED)
+    if seeded:
+        fill_seeded_(model, preset, SEED)
+    else:  # values do not matter (memory test): fast init
+        for p in model.parameters():
+            torch.nn.init.normal_(p, std=0.02)
     dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir,
                             sharded_strategy=cpu_torch_dist_save_strategy())
     ps.destroy_model_parallel()
@@ -118,7 +122,7 @@ def world4_worker(rank, world, ckpt_dir, big_dir):
     """Serve the tiny checkpoint with (2, 2); save the big model at TP=4."""
     warnings.simplefilter("ignore")
     tknp = _serve(2, 2, ckpt_dir)
-    _save(preset_from_model_config(BIG), 4, big_dir)
+    _save(preset_from_model_config(BIG), 4, big_dir, seeded=False)
     return tknp if rank == 0 else None
 
 
@@ -128,14 +132,16 @@ def memory_worker(rank, world, big_dir):
     import psutil
 
     import parallel_state as ps
-    from tknp_megatron.checkpoint import load_megatron_checkpoint
+    from tknp_megatron.checkpoint import checkpoint_padded_vocab_size, load_megatron_checkpoint
     from tknp_megatron.model import build_rank_model
     from tknp_megatron.placement import balanced_placement
 
     preset = preset_from_model_config(BIG)
     groups = ps.initialize_model_parallel(tensor_model_parallel_size=1, token_parallel_size=world)
     placement = balanced_placement(preset, world)
-    model = build_rank_model(preset, placement, groups, torch.float32, torch.device("cpu"))
+    vocab = checkpoint_padded_vocab_size(big_dir)  # saved at TP=4: padded to 16384, not 16000
+    model = build_rank_model(preset, placement, groups, torch.float32, torch.device("cpu"),
+                             vocab_size=vocab)
     own = sum(p.numel() * p.element_size() for p in model.parameters())
     proc = psutil.Process()
     base = peak = proc.memory_info().rss
@@ -155,16 +161,20 @@ def memory_worker(rank, world, big_dir):
     peak = max(peak, proc.memory_info().rss)
     finite = all(torch.isfinite(p).all() for p in model.parameters())
     ps.destroy_model_parallel()
-    return dict(own=own, growth=peak - base, finite=finite)
+    return dict(own=own, growth=peak - base, finite=finite, vocab=vocab)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tiny = str(tmp_path_factory.mktemp("tiny_tp2"))
     big = str(tmp_path_factory.mktemp("big_tp4"))
+    t0 = time.monotonic()
     tknp21, ref = spawn(world2_worker, 2, (tiny,), timeout_s=180)[0]
+    t1 = time.monotonic()
     tknp22 = spawn(world4_worker, 4, (tiny, big), timeout_s=180)[0]
+    t2 = time.monotonic()
     memory = spawn(memory_worker, 4, (big,), timeout_s=180)
+    print(f"pool seconds: {t1 - t0:.1f} {t2 - t1:.1f} {time.monotonic() - t2:.1f}; memory {memory}")
     return {(2, 1): tknp21, (2, 2): tknp22, "ref": ref, "memory": memory}
 
 
@@ -179,7 +189,7 @@ def test_tknp_from_tp2_checkpoint_matches_reference(runs, shape):
 def test_load_memory_is_per_block(runs):
     full = preset_from_model_config(BIG).total_params() * 4
     for rank, m in enumerate(runs["memory"]):
-        assert m["finite"]
+        assert m["finite"] and m["vocab"] == 16384
         assert m["own"] < 0.4 * full  # the rank stores about a quarter
         # one copy of its own parameters plus small staging; never the full model
         assert m["growth"] < 1.5 * m["own"] + 16 * 2**20, (rank, m, full)

@@ -134,9 +134,9 @@ def test_spec_capacity_math(dtype):
     assert spec.bytes_per_block == 2 * 3 * 4 * 2 * 8 * elem
     assert spec.capacity_tokens == 10 * 4
     assert spec.capacity_bytes == 10 * spec.bytes_per_block
-    # the bytes match a real buffer of that shape
+    # the bytes match a real buffer of that shape (plus the one scratch block for padding)
     cache = PagedKVCache(spec, torch.device("cpu"))
-    assert cache.buffer.numel() * cache.buffer.element_size() == spec.capacity_bytes
+    assert cache.buffer.numel() * cache.buffer.element_size() == spec.capacity_bytes + spec.bytes_per_block
     assert spec.blocks_for_bytes(spec.capacity_bytes) == 10
     assert spec.blocks_for_bytes(spec.capacity_bytes - 1) == 9
     assert spec.blocks_for_bytes(0) == 0

@@ -24,6 +24,7 @@ class Scenario:
     ingest: bool = False  # use the reference's KV for prompt[:-1]
     block_size: int = 4
     extra_bad: bool = False  # append invalid requests
+    graphs: bool = False  # bucketed, padded decode path (what CUDA graphs replay)
 
 
 def params_for(s: Scenario):
@@ -100,7 +101,8 @@ def tknp_worker(rank, world, shapes, scenarios, seed, kv_by_scenario):
             model = build_rank_model(preset, placement, groups, torch.float32, torch.device("cpu"))
             fill_seeded_(model, preset, seed)
             config = EngineConfig(block_size=s.block_size, kv_tokens_per_node=s.kv_tokens_per_node,
-                                  record_logits=True, attention_backend="torch")
+                                  record_logits=not s.graphs, attention_backend="torch",
+                                  cuda_graphs=s.graphs)
             engine = TKNPInferenceEngine(model, preset, placement, groups, config, torch.device("cpu"))
             out[(n, t, s.name)] = run_scenario(engine, s, kv_by_scenario.get(s.name))
         ps.destroy_model_parallel()

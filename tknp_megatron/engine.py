@@ -50,6 +50,8 @@ class EngineConfig:
         policy: owner choice among eligible nodes (``usage`` or ``reserved``).
         attention_backend: backend name; None picks the device default.
         record_logits: return each generated token's logits (tests).
+        cuda_graphs: replay decode steps from CUDA graphs (on CPU: the same bucketed,
+            padded decode path, run eagerly).
     """
 
     block_size: int = 16
@@ -60,6 +62,7 @@ class EngineConfig:
     policy: LoadPolicy = LoadPolicy.USAGE
     attention_backend: Optional[str] = None
     record_logits: bool = False
+    cuda_graphs: bool = False
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,8 @@ class TKNPInferenceEngine:
         self.executor = TKNPExecutor(
             model, placement, groups, self.kv, rope, backend, preset.vocab_size, device
         )
+        if config.cuda_graphs:
+            self.executor.enable_cuda_graphs()
         self.requests: Dict[int, Request] = {}
         self.peak_kv_tokens = [0] * groups.num_nodes  # per node, most tokens cached at once
         self._step = 0

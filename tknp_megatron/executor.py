@@ -8,6 +8,9 @@ For layer l with active root b(l) (DESIGN section 7):
   root:   output projection (TP all-reduce), residual, pre-MLP norm, MLP, residual
 At block boundaries the hidden state moves to the next root; the last root computes
 logits and samples; the sampled tokens are broadcast to every rank.
+
+:meth:`TKNPExecutor.forward` is the whole layer loop over prepared inputs; it has no host
+work, so decode steps replay it from CUDA graphs (:mod:`tknp_megatron.cuda_graphs`).
 """
 
 from __future__ import annotations
@@ -20,16 +23,18 @@ import torch.distributed as dist
 
 from parallel_state import TokenParallelGroups
 
-from .attention import AttentionBackend, AttentionMetadata
+from .attention import AttentionBackend
 from .comm import TokenParallelComm
 from .kv_cache import PagedKVCache
 from .model import StageModel
 from .placement import Placement
-from .plan import StepPlan
+from .plan import Admission, StepPlan
+from .profiler import PhaseTimer
 from .rope import Rope
-from .sampling import sample
+from .sampling import greedy, sample
+from .step_inputs import StepInputs, prepare_inputs
 
-__all__ = ["StepOutput", "TKNPExecutor", "OwnerStep"]
+__all__ = ["StepOutput", "TKNPExecutor"]
 
 
 @dataclass(frozen=True)
@@ -38,23 +43,6 @@ class StepOutput:
 
     tokens: torch.Tensor
     logits: Optional[torch.Tensor] = None
-
-
-@dataclass(frozen=True)
-class OwnerStep:
-    """This node's share of a step, computed once and reused by every layer.
-
-    Attributes:
-        rows: query rows owned here.
-        meta: attention metadata for those rows.
-        slot_mapping: ``[rows]`` cache slots for the new K/V.
-        freqs: ``[rows, 1, 1, rot_dim]`` RoPE angles.
-    """
-
-    rows: int
-    meta: AttentionMetadata
-    slot_mapping: torch.Tensor
-    freqs: torch.Tensor
 
 
 class TKNPExecutor:
@@ -67,7 +55,8 @@ class TKNPExecutor:
         kv: this rank's paged KV cache.
         rope: RoPE for owners.
         attention: attention backend for owners.
-        vocab_size: unpadded vocabulary (padded logits are masked before sampling).
+        vocab_size: unpadded vocabulary (padded logits are cut before sampling).
+        device: this rank's device.
     """
 
     def __init__(
@@ -94,110 +83,116 @@ class TKNPExecutor:
         self.hidden_size = cfg.hidden_size
         self.dtype = cfg.params_dtype
         self.scale = self.head_dim ** -0.5
+        self.last_root = placement.root_of_layer(placement.num_layers - 1)
         self.local_ingest = {}  # request id -> KV the coordinator keeps for itself
+        self.graphs = None  # set by enable_cuda_graphs
+
+    def enable_cuda_graphs(self) -> None:
+        """Replay pure-decode steps from CUDA graphs (per ownership-layout bucket).
+
+        Off GPU the bucketed, padded decode path runs eagerly (what the graphs replay).
+        """
+        from .cuda_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self, capture=self.device.type == "cuda")
 
     # ---------------------------------------------------------------- step
     @torch.no_grad()
-    def execute(self, plan: StepPlan) -> StepOutput:
+    def execute(self, plan: StepPlan, timer: Optional[PhaseTimer] = None) -> StepOutput:
         """Run ``plan`` on this rank; every rank returns the same :class:`StepOutput`."""
-        self._apply_admissions(plan)
-        own = self._owner_step(plan)
-        hidden = self._embed(plan) if self.node == self.placement.root_of_layer(0) else None
+        self.apply_admissions(plan.admissions)
+        use_graph = self.graphs is not None and timer is None and not plan.record_logits
+        if use_graph and plan.max_query_len == 1:
+            return StepOutput(self.graphs.run(plan))
+        inputs = prepare_inputs(plan, self.node, self.kv, self.rope, self.device)
+        tokens, logits = self.forward(inputs, plan.record_logits, timer)
+        return StepOutput(tokens, logits)
+
+    def forward(self, inp: StepInputs, record_logits: bool = False, timer=None):
+        """The layer loop and sampling over prepared inputs: ``(tokens [R], logits | None)``."""
+        shape = inp.shape
+        hidden = self._embed(inp) if self.node == self.placement.root_of_layer(0) else None
         num_layers = self.placement.num_layers
         for layer in range(num_layers):
             root = self.placement.root_of_layer(layer)
-            hidden = self._layer(layer, root, hidden, plan, own)
+            hidden = self._layer(layer, root, hidden, inp, timer)
             nxt = self.placement.root_of_layer(layer + 1) if layer + 1 < num_layers else root
             if nxt != root:
-                buf = self._hidden_buffer(plan) if self.node == nxt else None
+                buf = self._hidden_buffer(shape.num_rows) if self.node == nxt else None
                 hidden = self.comm.handoff(hidden, root, nxt, buf)
-        return self._sample(hidden, plan)
+                _mark(timer, "handoff")
+        return self._sample(hidden, inp, record_logits)
 
     # ---------------------------------------------------------------- owner side
-    def _apply_admissions(self, plan: StepPlan) -> None:
-        for adm in plan.admissions:
+    def apply_admissions(self, admissions: tuple) -> None:
+        """Write newly admitted requests' block tables (and ingested KV) on their owner."""
+        for adm in admissions:
             if adm.owner != self.node:
                 continue
             self.kv.assign(adm.slot, adm.blocks)
             if adm.ingest_len:
                 self.kv.ingest(adm.slot, self._ingested_kv(adm))
 
-    def _ingested_kv(self, adm) -> torch.Tensor:
+    def _ingested_kv(self, adm: Admission) -> torch.Tensor:
         """KV for the admitted request's first ``ingest_len`` tokens, this rank's heads."""
-        shape = (
-            self.placement.num_layers, 2, adm.ingest_len, self.groups_local, self.head_dim
-        )
+        shape = (self.placement.num_layers, 2, adm.ingest_len, self.groups_local, self.head_dim)
         if adm.synthetic_seed is not None:
-            gen = torch.Generator(device="cpu").manual_seed(adm.synthetic_seed)
-            return torch.randn(shape, generator=gen).to(self.device, self.kv.spec.dtype)
+            gen = torch.Generator(device=self.device).manual_seed(adm.synthetic_seed)
+            return torch.randn(shape, generator=gen, device=self.device, dtype=self.kv.spec.dtype)
         if adm.request_id in self.local_ingest:  # the coordinator owns it
             return self.local_ingest.pop(adm.request_id)
         buf = torch.empty(shape, dtype=self.kv.spec.dtype, device=self.device)
         dist.recv(buf, src=0)  # the coordinator sends each rank its heads (engine.py)
         return buf
 
-    def _owner_step(self, plan: StepPlan) -> OwnerStep:
-        lo, hi = plan.request_range(self.node)
-        q_lens = plan.q_lens[lo:hi].to(self.device)
-        start = plan.start_pos[lo:hi].to(self.device)
-        slots = plan.slots[lo:hi].to(self.device)
-        rows = plan.rows_per_owner[self.node]
-        cu = torch.zeros(hi - lo + 1, dtype=torch.int64, device=self.device)
-        torch.cumsum(q_lens, 0, out=cu[1:])
-        row_req = torch.repeat_interleave(torch.arange(hi - lo, device=self.device), q_lens, output_size=rows)
-        positions = start[row_req] + torch.arange(rows, device=self.device) - cu[row_req]
-        seq_lens = start + q_lens
-        meta = AttentionMetadata(
-            query_start_loc=cu.to(torch.int32),
-            seq_lens=seq_lens.to(torch.int32),
-            block_table=self.kv.block_table[slots],
-            max_query_len=int(plan.q_lens[lo:hi].max()) if hi > lo else 0,
-            max_seq_len=int((plan.start_pos[lo:hi] + plan.q_lens[lo:hi]).max()) if hi > lo else 0,
-        )
-        mapping = self.kv.slot_mapping(slots[row_req], positions)
-        return OwnerStep(rows, meta, mapping, self.rope.freqs(positions))
-
-    def _attend(self, layer: int, qkv: torch.Tensor, own: OwnerStep) -> torch.Tensor:
-        """``[rows, qkv_width]`` -> ``[rows, heads * d]`` for this node's requests."""
+    def _attend(self, layer: int, qkv: torch.Tensor, inp: StepInputs) -> torch.Tensor:
+        """``[own_rows, qkv_width]`` -> ``[own_rows, heads * d]`` for this node's requests."""
+        rows = qkv.shape[0]
         per_group = self.heads // self.groups_local
-        mixed = qkv.view(own.rows, self.groups_local, per_group + 2, self.head_dim)
-        q = mixed[:, :, :per_group].reshape(own.rows, self.heads, self.head_dim)
+        mixed = qkv.view(rows, self.groups_local, per_group + 2, self.head_dim)
+        q = mixed[:, :, :per_group].reshape(rows, self.heads, self.head_dim)
         k = mixed[:, :, per_group]
         v = mixed[:, :, per_group + 1]
-        q = self.rope.apply(q, own.freqs)
-        k = self.rope.apply(k, own.freqs)
-        self.kv.write(layer, k, v, own.slot_mapping)
+        q = self.rope.apply(q, inp.freqs)
+        k = self.rope.apply(k, inp.freqs)
+        self.kv.write(layer, k, v, inp.slot_mapping)
         k_cache, v_cache = self.kv.layer(layer)
-        out = self.attention.forward(q, k_cache, v_cache, own.meta, self.scale)
-        return out.reshape(own.rows, self.heads * self.head_dim)
+        out = self.attention.forward(q, k_cache, v_cache, inp.meta, self.scale)
+        return out.reshape(rows, self.heads * self.head_dim)
 
     # ---------------------------------------------------------------- root side
-    def _hidden_buffer(self, plan: StepPlan) -> torch.Tensor:
-        return torch.empty(plan.num_rows, 1, self.hidden_size, dtype=self.dtype, device=self.device)
+    def _hidden_buffer(self, rows: int) -> torch.Tensor:
+        return torch.empty(rows, 1, self.hidden_size, dtype=self.dtype, device=self.device)
 
-    def _embed(self, plan: StepPlan) -> torch.Tensor:
+    def _embed(self, inp: StepInputs) -> torch.Tensor:
         """``[rows]`` token ids -> ``[rows, 1, D]`` (Megatron's [s, b, h])."""
-        ids = plan.tokens.to(self.device).unsqueeze(1)  # [s, b] -> embedding wants [b, s]
-        return self.model.embedding(ids.t().contiguous(), position_ids=None)
+        return self.model.embedding(inp.tokens.unsqueeze(0), position_ids=None)
 
-    def _layer(self, layer, root, hidden, plan: StepPlan, own: OwnerStep):
+    def _layer(self, layer, root, hidden, inp: StepInputs, timer):
         is_root = self.node == root
+        rows_per_owner = inp.shape.rows_per_owner
         block = self.model.layer(layer) if is_root else None
         qkv = None
         if is_root:
-            normed = block.input_layernorm(hidden)
-            qkv, _ = block.self_attention.linear_qkv(normed)
-            qkv = qkv.view(plan.num_rows, self.qkv_width)
-        mine = torch.empty(own.rows, self.qkv_width, dtype=self.dtype, device=self.device)
-        mine = self.comm.scatter(qkv, root, plan.rows_per_owner, mine)
-        attn = self._attend(layer, mine, own)
+            qkv, _ = block.self_attention.linear_qkv(block.input_layernorm(hidden))
+            qkv = qkv.view(-1, self.qkv_width)
+            _mark(timer, "root_qkv")
+        own_rows = rows_per_owner[self.node]
+        mine = torch.empty(own_rows, self.qkv_width, dtype=self.dtype, device=self.device)
+        mine = self.comm.scatter(qkv, root, rows_per_owner, mine)
+        _mark(timer, "scatter")
+        attn = self._attend(layer, mine, inp)
+        _mark(timer, "attention")
         gathered = None
         if is_root:
-            gathered = torch.empty(plan.num_rows, attn.shape[1], dtype=self.dtype, device=self.device)
-        gathered = self.comm.gather(attn, root, plan.rows_per_owner, gathered)
+            gathered = torch.empty(inp.shape.num_rows, attn.shape[1], dtype=self.dtype, device=self.device)
+        gathered = self.comm.gather(attn, root, rows_per_owner, gathered)
+        _mark(timer, "gather")
         if not is_root:
             return None
-        return self._finish_layer(block, gathered.unsqueeze(1), hidden)
+        hidden = self._finish_layer(block, gathered.unsqueeze(1), hidden)
+        _mark(timer, "root_proj_mlp")
+        return hidden
 
     @staticmethod
     def _finish_layer(block, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -209,36 +204,30 @@ class TKNPExecutor:
         return block.mlp_bda(False, cfg.bias_dropout_fusion)(mlp_out, hidden, block.hidden_dropout)
 
     # ---------------------------------------------------------------- sampling
-    def _sample(self, hidden, plan: StepPlan) -> StepOutput:
-        last = self.placement.root_of_layer(self.placement.num_layers - 1)
-        src = self.groups.global_rank(last, 0)
-        n = plan.num_requests
+    def _sample(self, hidden, inp: StepInputs, record_logits: bool):
+        src = self.groups.global_rank(self.last_root, 0)
+        n = inp.last_rows.shape[0]
         tokens = torch.empty(n, dtype=torch.int64, device=self.device)
         logits = None
-        if plan.record_logits:
+        if record_logits:
             logits = torch.empty(n, self.vocab_size, dtype=torch.float32, device=self.device)
-        if self.node == last:
-            full = self._logits(hidden, plan)
-            tokens = sample(
-                full,
-                plan.temperature.to(self.device),
-                plan.top_k.to(self.device),
-                plan.top_p.to(self.device),
-                plan.seeds.to(self.device),
-                plan.request_ids.to(self.device),
-                plan.sample_steps.to(self.device),
-            )
+        if self.node == self.last_root:
+            full = self._logits(hidden, inp.last_rows)
+            if inp.shape.all_greedy:
+                tokens = greedy(full)
+            else:
+                tokens = sample(full, inp.temperature, inp.top_k, inp.top_p, inp.seeds,
+                                inp.request_ids, inp.steps)
             if logits is not None:
                 logits.copy_(full)
         dist.broadcast(tokens, src=src)
         if logits is not None:
             dist.broadcast(logits, src=src)
-        return StepOutput(tokens, logits)
+        return tokens, logits
 
-    def _logits(self, hidden: torch.Tensor, plan: StepPlan) -> torch.Tensor:
-        """Last row of each request -> ``[R, vocab]`` float32 (TP all-gather, padding cut)."""
-        last_rows = torch.cumsum(plan.q_lens, 0).to(self.device) - 1
-        h = self.model.decoder.final_layernorm(hidden[last_rows])
+    def _logits(self, hidden: torch.Tensor, last_rows: torch.Tensor) -> torch.Tensor:
+        """Sampled rows -> ``[R, vocab]`` float32 (vocab-parallel logits all-gathered in TP)."""
+        h = self.model.decoder.final_layernorm(hidden.index_select(0, last_rows))
         local, _ = self.model.output_layer(h)  # [R, 1, V / T]
         local = local[:, 0].contiguous()
         t = self.groups.tp_size
@@ -249,3 +238,8 @@ class TKNPExecutor:
         dist.all_gather_into_tensor(parts, local, group=self.groups.tp_group)
         full = parts.view(t, local.shape[0], -1).permute(1, 0, 2).reshape(local.shape[0], -1)
         return full[:, : self.vocab_size].float()
+
+
+def _mark(timer: Optional[PhaseTimer], phase: str) -> None:
+    if timer is not None:
+        timer.mark(phase)

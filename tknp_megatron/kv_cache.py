@@ -137,9 +137,13 @@ class KVCacheSpec:
 class PagedKVCache:
     """One rank's KV buffer and block tables.
 
+    One extra block (index ``num_blocks``, never allocated) and one extra block-table row
+    (``dummy_slot``, pointing at it) absorb the writes of the padding requests that fill a
+    CUDA-graph batch bucket.
+
     Attributes:
-        buffer: ``[layers, 2, num_blocks, block_size, local_kv_heads, head_dim]``.
-        block_table: ``[max_slots, max_blocks_per_seq]`` int32, row per owned request slot.
+        buffer: ``[layers, 2, num_blocks + 1, block_size, local_kv_heads, head_dim]``.
+        block_table: ``[max_slots + 1, max_blocks_per_seq]`` int32, row per request slot.
     """
 
     def __init__(self, spec: KVCacheSpec, device: torch.device):
@@ -147,7 +151,7 @@ class PagedKVCache:
         self.buffer = torch.zeros(
             spec.num_layers,
             2,
-            spec.num_blocks,
+            spec.num_blocks + 1,
             spec.block_size,
             spec.local_kv_heads,
             spec.head_dim,
@@ -155,8 +159,14 @@ class PagedKVCache:
             device=device,
         )
         self.block_table = torch.zeros(
-            spec.max_slots, spec.max_blocks_per_seq, dtype=torch.int32, device=device
+            spec.max_slots + 1, spec.max_blocks_per_seq, dtype=torch.int32, device=device
         )
+        self.block_table[self.dummy_slot] = spec.num_blocks  # the scratch block
+
+    @property
+    def dummy_slot(self) -> int:
+        """Block-table row of padding requests (all entries: the scratch block)."""
+        return self.spec.max_slots
 
     def layer(self, layer: int):
         """``(k_cache, v_cache)`` views of one layer, each ``[blocks, block_size, heads, d]``."""

@@ -1,0 +1,69 @@
+"""Per-phase time of a step on one rank (benchmarks only; off on the serving path).
+
+The executor calls :meth:`PhaseTimer.mark` after each phase of each layer, in the code
+where the phase happens. On CUDA the marks are events (no host sync until
+:meth:`PhaseTimer.summary`); on CPU they are wall-clock reads.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, fields
+from typing import List, Tuple
+
+import torch
+
+__all__ = ["PHASES", "PhaseTimes", "PhaseTimer"]
+
+PHASES = ("root_qkv", "scatter", "attention", "gather", "root_proj_mlp", "handoff")
+
+
+@dataclass(frozen=True)
+class PhaseTimes:
+    """Seconds spent in each phase, summed over a step's layers, on one rank."""
+
+    root_qkv: float = 0.0
+    scatter: float = 0.0
+    attention: float = 0.0
+    gather: float = 0.0
+    root_proj_mlp: float = 0.0
+    handoff: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def __add__(self, other: "PhaseTimes") -> "PhaseTimes":
+        return PhaseTimes(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+
+class PhaseTimer:
+    """Collects marks for one step; create, :meth:`start`, run the step, :meth:`summary`."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._marks: List[Tuple[str, object]] = []
+
+    def _now(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self._marks = [("start", self._now())]
+
+    def mark(self, phase: str) -> None:
+        if phase not in PHASES:
+            raise ValueError(f"unknown phase {phase!r}")
+        self._marks.append((phase, self._now()))
+
+    def summary(self) -> PhaseTimes:
+        """Per-phase totals (synchronises the device once)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        totals = dict.fromkeys(PHASES, 0.0)
+        for (_, a), (phase, b) in zip(self._marks, self._marks[1:]):
+            totals[phase] += (a.elapsed_time(b) / 1e3) if self.cuda else (b - a)
+        return PhaseTimes(**totals)
