@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import List, Optional
+from typing import Callable, List, Optional, Sequence
 
 
 def _compare(results, reference) -> dict:
@@ -28,14 +28,17 @@ def _compare(results, reference) -> dict:
     )
 
 
-def build_report(args, prompts, results, summary, reference) -> dict:
+def build_report(args, prompts, results, summary, reference, model: str,
+                 weights: str = "") -> dict:
+    """The run's JSON-ready summary (rank 0): counts, outputs, metrics, reference match."""
     metrics = summary["metrics"]
     completed = [r for r in results if r.status.value == "completed"]
     rejected = [r for r in results if r.status.value == "rejected"]
     nodes = args.nodes
     owned = [sum(1 for r in results if r.owner == n) for n in range(nodes)]
     report = dict(
-        model=args.model,
+        model=model,
+        weights=weights,
         nodes=nodes,
         tp=args.tp,
         device=args.device,
@@ -61,6 +64,11 @@ def build_report(args, prompts, results, summary, reference) -> dict:
     return report
 
 
+def add_texts(report: dict, decode: Callable[[Sequence[int]], str]) -> None:
+    """``texts``: each request's generated tokens decoded (``--tokenizer``)."""
+    report["texts"] = [decode(ids) for ids in report["outputs"]]
+
+
 def _f(x: Optional[float], unit: str = "", scale: float = 1.0) -> str:
     return "n/a" if x is None else f"{x * scale:.3g}{unit}"
 
@@ -68,6 +76,7 @@ def _f(x: Optional[float], unit: str = "", scale: float = 1.0) -> str:
 def print_report(r: dict) -> None:
     lines: List[str] = [
         f"TKNP decode: {r['model']} on {r['nodes']} nodes x TP{r['tp']} ({r['device']}, {r['dtype']})",
+        f"weights: {r['weights']}",
         r["placement"],
         "",
         "node  requests  KV peak / capacity (tokens)",
@@ -87,6 +96,8 @@ def print_report(r: dict) -> None:
     ]
     for rid, why in r["reject_reasons"].items():
         lines.append(f"rejected: {why}")
+    for i, text in enumerate(r.get("texts", ())):
+        lines.append(f"output {i}: {text!r}")
     print("\n".join(lines), flush=True)
 
 

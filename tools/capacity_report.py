@@ -45,7 +45,7 @@ FP8_RECIPES = {
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True, help="preset name, e.g. llama3.1-405b")
+    p.add_argument("--model", default="llama3.1-405b", help="preset name, e.g. llama3.1-405b")
     p.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--tp", type=int, default=8, help="GPUs per node (intra-node TP)")
     p.add_argument("--gpu-memory-gib", type=float, default=80.0)

@@ -1,0 +1,117 @@
+"""The main job (examples/run_tknp_decode.py), run as a subprocess as a user would.
+
+(a) No arguments: the seeded tiny model on 2 nodes x TP2, 16 requests in >= 2 waves,
+    tokens equal to the reference's, and the JSON keys the README promises.
+(b) ``--load``: a checkpoint written by plain Megatron-Core (GPTModel at TP=2, vocab 300
+    padded to 512 -- not the 384 a TP=1 model would pad to) served at N=2, T=1 from
+    ``--model-config``; the reference loads the same checkpoint.
+(c) ``--tokenizer`` / ``--prompt``: a tiny BPE tokenizer trained in the test and a model
+    from ``--model-config`` whose vocabulary is the tokenizer's; decoded ``texts``.
+The reference is the test in every case: match_reference must be true.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from tknp_megatron.launch import spawn
+from tests.test_tokenizer import make_tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = ROOT / "examples" / "run_tknp_decode.py"
+REQUIRED = (
+    "match_reference", "requests", "completed", "rejected", "outputs", "owners", "waves",
+    "kv_capacity_tokens", "completion_throughput_tok_s", "queue_wait_s_mean", "itl_p95_s",
+    "completion_time_s_mean",
+)
+# The ``tiny`` architecture as a --model-config file, with a vocabulary of our choosing.
+TINY_CONFIG = dict(
+    name="tiny-config", num_layers=6, hidden_size=64, num_attention_heads=4,
+    num_query_groups=2, kv_channels=16, ffn_hidden_size=160, normalization="RMSNorm",
+    gated_linear_unit=True, add_bias_linear=False, activation="silu", vocab_size=300,
+    max_sequence_length=1024, rotary_base=10000,
+)
+
+
+def _run_job(out: Path, *args) -> dict:
+    cmd = [sys.executable, str(JOB), "--json", str(out), *map(str, args)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(out.read_text())
+
+
+def save_worker(rank, world, config, ckpt_dir):
+    """Plain Megatron-Core: a seeded GPTModel at TP=2, dist_checkpointing.save."""
+    warnings.simplefilter("ignore")
+    from tknp_megatron.checkpoint import preset_from_model_config
+    from tests.test_checkpoint import _save
+
+    _save(preset_from_model_config(config), 2, ckpt_dir)
+
+
+def test_default_job(tmp_path):
+    report = _run_job(tmp_path / "out.json")
+    missing = [k for k in REQUIRED if k not in report]
+    assert not missing, missing
+    assert report["match_reference"] is True
+    assert report["completed"] == report["requests"] == 16 and report["rejected"] == 0
+    assert report["waves"] >= 2
+    assert len(report["outputs"]) == len(report["owners"]) == 16
+    assert "texts" not in report and report["weights"].startswith("seeded")
+
+
+def test_megatron_checkpoint_job(tmp_path):
+    ckpt, config = tmp_path / "ckpt", tmp_path / "model.json"
+    config.write_text(json.dumps(TINY_CONFIG))
+    spawn(save_worker, 2, (TINY_CONFIG, str(ckpt)), timeout_s=120)
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([[5, 17, 299, 2], [9, 9, 1, 44, 200, 3, 7], [250]]))
+    report = _run_job(tmp_path / "out.json", "--load", ckpt, "--model-config", config,
+                      "--prompts-file", prompts, "--nodes", 2, "--tp", 1, "--output-len", 6)
+    assert report["match_reference"] is True, report
+    assert report["completed"] == 3 and report["model"] == "tiny-config"
+    assert report["weights"] == f"checkpoint {ckpt}"
+
+
+def test_tokenizer_prompts(tmp_path):
+    pytest.importorskip("tokenizers")
+    from tknp_megatron.tokenizer import Tokenizer
+
+    tok = Tokenizer(make_tiny_tokenizer(tmp_path / "tok"))
+    config = tmp_path / "model.json"
+    config.write_text(json.dumps({**TINY_CONFIG, "vocab_size": tok.vocab_size}))
+    texts = ["the quick brown fox", "every node keeps the cache"]
+    report = _run_job(tmp_path / "out.json", "--tokenizer", tmp_path / "tok",
+                      "--model-config", config, "--nodes", 2, "--tp", 1, "--output-len", 8,
+                      *[a for t in texts for a in ("--prompt", t)])
+    assert report["match_reference"] is True and report["completed"] == 2
+    assert report["texts"] == [tok.decode(ids) for ids in report["outputs"]]
+    for ids in report["outputs"]:
+        assert all(0 <= i < tok.vocab_size for i in ids)
+        assert tok.eos_id not in ids[:-1]  # EOS, if sampled, ended the request
+
+
+def _load_job_module():
+    spec = importlib.util.spec_from_file_location("run_tknp_decode", JOB)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bad_flags_fail_before_the_pool(tmp_path):
+    job = _load_job_module()
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**TINY_CONFIG, "hiden_size": 3, "vocab_sise": 4}))
+    with pytest.raises(SystemExit, match=r"\['hiden_size', 'vocab_sise'\]"):
+        job.main(["--model-config", str(bad)])
+    with pytest.raises(SystemExit):  # argparse: --prompt needs --tokenizer
+        job.parse_args(["--prompt", "hello"])
+    with pytest.raises(SystemExit):  # a preset and a checkpoint at once
+        job.parse_args(["--model", "tiny", "--load", str(tmp_path)])

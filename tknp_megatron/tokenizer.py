@@ -1,0 +1,117 @@
+"""Text <-> token ids for the main job, from a Hugging Face tokenizer folder on local disk.
+
+:class:`Tokenizer` reads the folder with ``transformers.AutoTokenizer`` (local files only,
+nothing is downloaded) and falls back to the ``tokenizers`` library's
+``tokenizer.json`` when ``transformers`` is missing or cannot read the folder (e.g. no
+``tokenizer_config.json``). Prompts are encoded *without* special tokens, except that a
+BOS is kept when the tokenizer puts one in front by default (Llama's ``<s>`` /
+``<|begin_of_text|>``): the model was trained to see it, so leaving it out changes the
+output. EOS, when the tokenizer names one, is what stops generation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, List, Optional, Sequence, Union
+
+__all__ = ["Tokenizer"]
+
+PathLike = Union[str, os.PathLike]
+_PROBE = "a"  # any ordinary text: shows whether encoding puts a BOS in front
+
+
+def _load_hf(folder: Path) -> Optional[Any]:
+    """``AutoTokenizer`` from ``folder``, or None when transformers cannot read it."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _special_token(folder: Path, name: str) -> Optional[str]:
+    """``bos_token`` / ``eos_token`` as written in the folder's config files, if any."""
+    for fname in ("tokenizer_config.json", "special_tokens_map.json"):
+        path = folder / fname
+        if not path.exists():
+            continue
+        value = json.loads(path.read_text(encoding="utf-8")).get(name)
+        if isinstance(value, dict):  # {"content": "<s>", "lstrip": ...}
+            value = value.get("content")
+        if isinstance(value, str):
+            return value
+    return None
+
+
+class Tokenizer:
+    """A Hugging Face tokenizer folder, read from local files only.
+
+    Args:
+        folder: directory with ``tokenizer.json`` (and usually ``tokenizer_config.json``).
+
+    Attributes:
+        eos_id: end-of-sequence token id, or None when the tokenizer has none.
+        bos_id: beginning-of-sequence token id, or None.
+        vocab_size: number of token ids, added tokens included (ids are ``< vocab_size``).
+    """
+
+    def __init__(self, folder: PathLike):
+        self.folder = Path(folder)
+        self._hf = _load_hf(self.folder)
+        self._raw = None
+        if self._hf is None:
+            path = self.folder / "tokenizer.json"
+            if not path.exists():
+                raise FileNotFoundError(f"{self.folder}: no tokenizer transformers can read "
+                                        "and no tokenizer.json")
+            from tokenizers import Tokenizer as RawTokenizer
+
+            self._raw = RawTokenizer.from_file(str(path))
+        self.bos_id = self._token_id("bos")
+        self.eos_id = self._token_id("eos")
+        self._prepend_bos = self.bos_id is not None and self._encode(_PROBE, True)[:1] == [self.bos_id]
+
+    @property
+    def vocab_size(self) -> int:
+        if self._hf is not None:
+            return len(self._hf)
+        return self._raw.get_vocab_size(with_added_tokens=True)
+
+    def _token_id(self, kind: str) -> Optional[int]:
+        if self._hf is not None:
+            return getattr(self._hf, f"{kind}_token_id", None)
+        token = _special_token(self.folder, f"{kind}_token")
+        return None if token is None else self._raw.token_to_id(token)
+
+    def _encode(self, text: str, special: bool) -> List[int]:
+        if self._hf is not None:
+            return list(self._hf.encode(text, add_special_tokens=special))
+        return list(self._raw.encode(text, add_special_tokens=special).ids)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> List[int]:
+        """``text`` -> token ids.
+
+        With ``add_special_tokens=False`` (the default) no special tokens are added, except
+        the BOS that the tokenizer itself puts in front by default (Llama-style). With
+        True, whatever the tokenizer's own post-processing adds (BOS, EOS, ...).
+        """
+        if add_special_tokens:
+            return self._encode(text, True)
+        ids = self._encode(text, False)
+        return [self.bos_id] + ids if self._prepend_bos else ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Token ids -> text; special tokens (BOS, EOS, padding) are dropped by default."""
+        ids = [int(i) for i in ids]
+        if self._hf is not None:
+            return self._hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self._raw.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def __repr__(self) -> str:
+        kind = "transformers" if self._hf is not None else "tokenizers"
+        return f"Tokenizer({str(self.folder)!r}, {kind}, vocab {self.vocab_size}, eos {self.eos_id})"
