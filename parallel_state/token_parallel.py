@@ -4,6 +4,10 @@ Rank layout (Megatron order ``tp-cp-ep-dp-pp`` with pp = cp = ep = 1): the globa
 (node, tp_rank) is ``node * T + tp_rank``. TP groups are the T ranks of a node; the
 token-parallel group of a rank is the N ranks with its tp_rank (matching TP ranks across
 nodes), which carries the per-layer scatter / gather and the block handoffs.
+
+A world may hold several independent pools (``num_pools`` R, e.g. the replicas of the
+data-parallel baseline): pool p owns global ranks ``p*N*T .. (p+1)*N*T - 1`` and has its
+own coordinator (its first rank) and its own pool group for step-plan broadcasts.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ class TokenParallelGroups:
         tp_rank: this rank's rank inside its node.
         tp_group: Megatron's tensor-parallel group (the node).
         tknp_group: the N ranks sharing ``tp_rank``, ordered by node.
+        pool: this rank's pool (0 unless the world holds several).
+        num_pools: pools in the world.
+        pool_group: the N x T ranks of this pool (step-plan broadcasts).
     """
 
     num_nodes: int
@@ -34,15 +41,27 @@ class TokenParallelGroups:
     tp_rank: int
     tp_group: dist.ProcessGroup
     tknp_group: dist.ProcessGroup
+    pool: int = 0
+    num_pools: int = 1
+    pool_group: Optional[dist.ProcessGroup] = None
+
+    @property
+    def pool_size(self) -> int:
+        return self.num_nodes * self.tp_size
+
+    @property
+    def coordinator_rank(self) -> int:
+        """Global rank of this pool's coordinator (its node 0, tp_rank 0)."""
+        return self.pool * self.pool_size
 
     def global_rank(self, node: int, tp_rank: Optional[int] = None) -> int:
-        """Global rank of (node, tp_rank); tp_rank defaults to this rank's."""
+        """Global rank of (node, tp_rank) in this pool; tp_rank defaults to this rank's."""
         tp_rank = self.tp_rank if tp_rank is None else tp_rank
         if not (0 <= node < self.num_nodes and 0 <= tp_rank < self.tp_size):
             raise ValueError(
                 f"(node={node}, tp_rank={tp_rank}) outside the {self.num_nodes}x{self.tp_size} pool"
             )
-        return node * self.tp_size + tp_rank
+        return self.coordinator_rank + node * self.tp_size + tp_rank
 
     @property
     def tknp_ranks(self) -> Tuple[int, ...]:
@@ -51,7 +70,7 @@ class TokenParallelGroups:
 
     @property
     def is_coordinator(self) -> bool:
-        """Global rank 0 builds and broadcasts the step plans."""
+        """The pool's first rank builds and broadcasts the step plans."""
         return self.node == 0 and self.tp_rank == 0
 
 
@@ -61,46 +80,58 @@ _GROUPS: Optional[TokenParallelGroups] = None
 def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     token_parallel_size: Optional[int] = None,
+    num_pools: int = 1,
     **megatron_kwargs,
 ) -> TokenParallelGroups:
     """Build Megatron's groups for TP = T and add the token-parallel groups.
 
     ``torch.distributed`` must be initialised (gloo on CPU, NCCL on GPU) with a world of
-    N x T ranks. ``token_parallel_size`` (N) defaults to world_size / T. Extra keyword
-    arguments go to ``megatron.core.parallel_state.initialize_model_parallel``.
+    R x N x T ranks (R = ``num_pools``, 1 for one TKNP pool). ``token_parallel_size`` (N)
+    defaults to world_size / (R x T). Extra keyword arguments go to
+    ``megatron.core.parallel_state.initialize_model_parallel``.
     """
     global _GROUPS
     if _GROUPS is not None:
         raise RuntimeError("token-parallel groups already initialised; destroy them first")
     world = dist.get_world_size()
     t = tensor_model_parallel_size
-    if t < 1 or (token_parallel_size is not None and token_parallel_size < 1):
+    if num_pools < 1 or t < 1 or (token_parallel_size is not None and token_parallel_size < 1):
         # checked before world // t: 0 would divide by zero, and two negatives could
         # multiply to the world size and reach Megatron, leaving its state half built
         raise ValueError(
             f"sizes must be >= 1: tensor_model_parallel_size {t}, "
-            f"token_parallel_size {token_parallel_size}"
+            f"token_parallel_size {token_parallel_size}, num_pools {num_pools}"
         )
-    n = world // t if token_parallel_size is None else token_parallel_size
-    if n * t != world:
+    n = world // (t * num_pools) if token_parallel_size is None else token_parallel_size
+    if num_pools * n * t != world:
         raise ValueError(
-            f"token_parallel_size {n} x tensor_model_parallel_size {t} != world size {world}"
+            f"num_pools {num_pools} x token_parallel_size {n} x tensor_model_parallel_size {t}"
+            f" != world size {world}"
         )
     mpu.initialize_model_parallel(tensor_model_parallel_size=t, **megatron_kwargs)
     rank = dist.get_rank()
-    tknp_group = None
-    for tp_rank in range(t):  # every rank creates every group, in the same order
-        ranks = [node * t + tp_rank for node in range(n)]
-        group = dist.new_group(ranks)
+    size = n * t
+    tknp_group = pool_group = None
+    for pool in range(num_pools):  # every rank creates every group, in the same order
+        for tp_rank in range(t):
+            ranks = [pool * size + node * t + tp_rank for node in range(n)]
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                tknp_group = group
+        ranks = list(range(pool * size, (pool + 1) * size))
+        group = dist.new_group(ranks) if num_pools > 1 else dist.group.WORLD
         if rank in ranks:
-            tknp_group = group
+            pool_group = group
     _GROUPS = TokenParallelGroups(
         num_nodes=n,
         tp_size=t,
-        node=rank // t,
+        node=(rank % size) // t,
         tp_rank=rank % t,
         tp_group=mpu.get_tensor_model_parallel_group(),
         tknp_group=tknp_group,
+        pool=rank // size,
+        num_pools=num_pools,
+        pool_group=pool_group,
     )
     return _GROUPS
 
@@ -143,5 +174,7 @@ def destroy_model_parallel() -> None:
     global _GROUPS
     if _GROUPS is not None and dist.is_initialized():
         dist.destroy_process_group(_GROUPS.tknp_group)
+        if _GROUPS.num_pools > 1:
+            dist.destroy_process_group(_GROUPS.pool_group)
     _GROUPS = None
     mpu.destroy_model_parallel()

@@ -7,6 +7,7 @@
     ``--model-config``; the reference loads the same checkpoint.
 (c) ``--tokenizer`` / ``--prompt``: a tiny BPE tokenizer trained in the test and a model
     from ``--model-config`` whose vocabulary is the tokenizer's; decoded ``texts``.
+(d) ``--hf``: a random tiny HF Llama folder, converted before the pool starts.
 The reference is the test in every case: match_reference must be true.
 """
 
@@ -70,6 +71,7 @@ def test_default_job(tmp_path):
 def test_megatron_checkpoint_job(tmp_path):
     ckpt, config = tmp_path / "ckpt", tmp_path / "model.json"
     config.write_text(json.dumps(TINY_CONFIG))
+    ckpt.mkdir()
     spawn(save_worker, 2, (TINY_CONFIG, str(ckpt)), timeout_s=120)
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps([[5, 17, 299, 2], [9, 9, 1, 44, 200, 3, 7], [250]]))
@@ -98,9 +100,23 @@ def test_tokenizer_prompts(tmp_path):
         assert tok.eos_id not in ids[:-1]  # EOS, if sampled, ended the request
 
 
+def test_hf_llama_job(tmp_path):
+    pytest.importorskip("transformers")
+    from tests.test_hf_convert import _make_hf
+
+    _make_hf(tmp_path / "hf", None)  # Llama, 3 layers, GQA 4/2, vocab 256
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([[1, 2, 3, 4], [100, 200, 5]]))
+    report = _run_job(tmp_path / "out.json", "--hf", tmp_path / "hf", "--prompts-file", prompts,
+                      "--nodes", 2, "--tp", 1, "--output-len", 5)
+    assert report["match_reference"] is True and report["completed"] == 2
+    assert report["model"] == "hf" and report["weights"].startswith("HF ")
+
+
 def _load_job_module():
     spec = importlib.util.spec_from_file_location("run_tknp_decode", JOB)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 

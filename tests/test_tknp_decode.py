@@ -18,6 +18,8 @@ from tests.tknp_workers import Scenario, reference_worker, tknp_worker
 SEED = 3
 WORLDS = {1: [(1, 1)], 2: [(2, 1), (1, 2)], 3: [(3, 1)], 4: [(4, 1), (2, 2)]}
 ALL_SHAPES = [s for shapes in WORLDS.values() for s in shapes]
+# the data-parallel baseline: two independent pools (1 node x TP2 each) in a world of 4
+DP_SHAPE = (1, 2, 2)
 
 
 def _prompts(n, lo, hi, seed, vocab=512):
@@ -57,18 +59,41 @@ def tknp(reference):
     kvs = {name: kv for name, (_, kv) in reference.items() if kv is not None}
     out = {}
     for world, shapes in WORLDS.items():
-        out.update(spawn(tknp_worker, world, (shapes, SCENARIOS, SEED, kvs), timeout_s=400)[0])
+        shapes = shapes + ([DP_SHAPE] if world == 4 else [])
+        per_rank = spawn(tknp_worker, world, (shapes, SCENARIOS, SEED, kvs), timeout_s=400)
+        for rank_out in per_rank:
+            for key, run in rank_out.items():
+                if run is not None:
+                    _merge(out, key, run)
     return out
+
+
+def _merge(out, key, run):
+    """Pools of one shape report separately; join their results in request-id order."""
+    if key not in out:
+        out[key] = run
+        return
+    merged = out[key]
+    merged["results"] = sorted(merged["results"] + run["results"], key=lambda r: r.request_id)
+    merged["waves"] = max(merged["waves"], run["waves"])
 
 
 def _good(s: Scenario, results):
     return results[: len(s.prompts)]
 
 
-@pytest.mark.parametrize("shape", ALL_SHAPES, ids=lambda s: f"N{s[0]}T{s[1]}")
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
+# every TKNP shape x every scenario; the DP pools x every scenario but bad input (whose
+# rejections are checked per pool shape below)
+CASES = [(shape, s) for shape in ALL_SHAPES for s in SCENARIOS] + [
+    (DP_SHAPE, s) for s in SCENARIOS if not s.extra_bad
+]
+
+
+@pytest.mark.parametrize(
+    "shape,scenario", CASES, ids=[f"{'x'.join(map(str, sh))}-{s.name}" for sh, s in CASES]
+)
 def test_matches_reference(tknp, reference, shape, scenario):
-    run = tknp[(shape[0], shape[1], scenario.name)]
+    run = tknp[(*shape, scenario.name)]
     ref, _ = reference[scenario.name]
     for res, exp in zip(_good(scenario, run["results"]), ref):
         assert res.status.value == "completed", res.reject_reason

@@ -83,7 +83,11 @@ def prefill_kv(model, preset, tokens) -> torch.Tensor:
 
 
 def tknp_worker(rank, world, shapes, scenarios, seed, kv_by_scenario):
-    """For each (N, T) of this world and each scenario, run the engine; rank 0 returns."""
+    """For each (N, T[, pools]) of this world and each scenario, run the engine.
+
+    With several pools (the data-parallel baseline) each pool serves the requests
+    ``i % pools == pool`` under their global ids; pool coordinators return their results.
+    """
     warnings.simplefilter("ignore")
     import parallel_state as ps
     from tknp_megatron.config import get_preset
@@ -93,8 +97,11 @@ def tknp_worker(rank, world, shapes, scenarios, seed, kv_by_scenario):
     from tknp_megatron.weights import fill_seeded_
 
     out = {}
-    for n, t in shapes:
-        groups = ps.initialize_model_parallel(tensor_model_parallel_size=t, token_parallel_size=n)
+    for shape in shapes:
+        n, t, pools = (*shape, 1)[:3]
+        groups = ps.initialize_model_parallel(
+            tensor_model_parallel_size=t, token_parallel_size=n, num_pools=pools
+        )
         for s in scenarios:
             preset = get_preset(s.preset)
             placement = balanced_placement(preset, n)
@@ -104,9 +111,9 @@ def tknp_worker(rank, world, shapes, scenarios, seed, kv_by_scenario):
                                   record_logits=not s.graphs, attention_backend="torch",
                                   cuda_graphs=s.graphs)
             engine = TKNPInferenceEngine(model, preset, placement, groups, config, torch.device("cpu"))
-            out[(n, t, s.name)] = run_scenario(engine, s, kv_by_scenario.get(s.name))
+            out[(*shape, s.name)] = run_scenario(engine, s, kv_by_scenario.get(s.name))
         ps.destroy_model_parallel()
-    return out if rank == 0 else None
+    return out
 
 
 def run_scenario(engine, s: Scenario, kvs):
@@ -117,15 +124,19 @@ def run_scenario(engine, s: Scenario, kvs):
         engine.serve()
         return None
     ids = []
+    pools, pool = engine.groups.num_pools, engine.groups.pool
     for i, (prompt, p) in enumerate(zip(s.prompts, params_for(s))):
+        if i % pools != pool:
+            continue
         kv = kvs[i] if kvs is not None else None
-        ids.append(engine.add_request(list(prompt), p, kv=kv))
+        ids.append(engine.add_request(list(prompt), p, kv=kv, request_id=i))
     if s.extra_bad:
         vocab = engine.preset.vocab_size
         bad = [([], SamplingParams(max_new_tokens=2)), ([1, vocab + 5], SamplingParams(max_new_tokens=2)),
                ([1, 2], SamplingParams(max_new_tokens=0)),
                ([1] * 8, SamplingParams(max_new_tokens=s.kv_tokens_per_node * 4))]
-        ids += [engine.add_request(p, sp) for p, sp in bad]
+        base = len(s.prompts)
+        ids += [engine.add_request(p, sp, request_id=base + j) for j, (p, sp) in enumerate(bad)]
     while engine.has_unfinished_requests():
         engine.step()
     engine.shutdown()

@@ -1,6 +1,6 @@
 """TKNPInferenceEngine: add_request / step / generate over an N x T pool.
 
-Every rank constructs the engine. Global rank 0 (the coordinator) holds the waiting
+Every rank constructs the engine. The pool's first rank (the coordinator) holds the waiting
 queue and the scheduler; each :meth:`step` it admits what fits, builds a
 :class:`~tknp_megatron.plan.StepPlan`, broadcasts it, and runs its own part of the step;
 the other ranks run the same plan from :meth:`serve` (or from :meth:`step`, in lockstep).
@@ -113,6 +113,7 @@ class TKNPInferenceEngine:
         if config.cuda_graphs:
             self.executor.enable_cuda_graphs()
         self.requests: Dict[int, Request] = {}
+        self._next_id = 0
         self.peak_kv_tokens = [0] * groups.num_nodes  # per node, most tokens cached at once
         self._step = 0
         self.scheduler = None
@@ -137,16 +138,23 @@ class TKNPInferenceEngine:
         kv: Optional[torch.Tensor] = None,
         synthetic_kv: Optional[int] = None,
         arrival_time: Optional[float] = None,
+        request_id: Optional[int] = None,
     ) -> int:
         """Submit a request (coordinator only); returns its id.
 
         ``kv`` is KV computed elsewhere for ``prompt_tokens[:-1]``,
         ``[layers, 2, len(prompt) - 1, num_kv_heads, head_dim]``, in the model's head order
-        (post-RoPE keys, as a prefill server writes them). Invalid requests are rejected
-        at once with a reason naming the request and the limit; they never reach the pool.
+        (post-RoPE keys, as a prefill server writes them). ``synthetic_kv`` instead has the
+        owner generate that KV from a seed (benchmarks). ``request_id`` (default: the next
+        free id) is what seeded sampling keys on, so a router in front of several pools
+        passes global ids. Invalid requests are rejected at once with a reason naming the
+        request and the limit; they never reach the pool.
         """
         self._require_coordinator("add_request")
-        rid = len(self.requests)
+        rid = self._next_id if request_id is None else int(request_id)
+        if rid in self.requests:
+            raise ValueError(f"request id {rid} is already in use")
+        self._next_id = max(self._next_id, rid + 1)
         params = sampling_params or SamplingParams()
         timeline = RequestTimeline(release=self.clock() if arrival_time is None else arrival_time)
         req = Request(rid, [int(t) for t in prompt_tokens], params, timeline, kv, synthetic_kv)
@@ -207,7 +215,7 @@ class TKNPInferenceEngine:
             self.config.record_logits,
         )
         self._step += 1
-        dist.broadcast_object_list([plan], src=0, device=self._object_device())
+        self._broadcast([plan])
         self._send_ingested_kv(plan)
         out = self.executor.execute(plan)
         return self._book_keep(plan, out)
@@ -215,7 +223,7 @@ class TKNPInferenceEngine:
     def _follow(self) -> bool:
         """Receive and run one plan; False when it is the stop plan."""
         box = [None]
-        dist.broadcast_object_list(box, src=0, device=self._object_device())
+        self._broadcast(box)
         plan: StepPlan = box[0]
         if plan.stop:
             return False
@@ -230,8 +238,7 @@ class TKNPInferenceEngine:
     def shutdown(self) -> None:
         """Coordinator: release the other ranks from :meth:`serve`."""
         self._require_coordinator("shutdown")
-        plan = STOP_PLAN(self.groups.num_nodes)
-        dist.broadcast_object_list([plan], src=0, device=self._object_device())
+        self._broadcast([STOP_PLAN(self.groups.num_nodes)])
 
     def _book_keep(self, plan: StepPlan, out: StepOutput) -> List[int]:
         now = self.clock()
@@ -275,7 +282,7 @@ class TKNPInferenceEngine:
             for t in range(self.groups.tp_size):
                 part = req.kv[:, :, :, t * g : (t + 1) * g].contiguous()
                 dst = self.groups.global_rank(adm.owner, t)
-                if dst == 0:
+                if dst == self.groups.coordinator_rank:
                     self.executor.local_ingest[adm.request_id] = part
                 else:
                     dist.send(part.to(self.device, self.kv.spec.dtype), dst)
@@ -301,7 +308,7 @@ class TKNPInferenceEngine:
         else:
             self.serve()
         box = [results]
-        dist.broadcast_object_list(box, src=0, device=self._object_device())
+        self._broadcast(box)
         return box[0]
 
     def result(self, request_id: int) -> GenerationResult:
@@ -319,9 +326,15 @@ class TKNPInferenceEngine:
         return summarize(timelines, self.scheduler.waves, self.scheduler.reserved_fraction())
 
     # ---------------------------------------------------------------- helpers
-    def _object_device(self) -> Optional[torch.device]:
-        return self.device if self.device.type == "cuda" else None
+    def _broadcast(self, box: list) -> None:
+        """Broadcast picklable objects from the coordinator to the pool."""
+        dist.broadcast_object_list(
+            box,
+            src=self.groups.coordinator_rank,
+            group=self.groups.pool_group,
+            device=self.device if self.device.type == "cuda" else None,
+        )
 
     def _require_coordinator(self, what: str) -> None:
         if not self.groups.is_coordinator:
-            raise RuntimeError(f"{what} is for the coordinator (global rank 0)")
+            raise RuntimeError(f"{what} is for the pool's coordinator (its first rank)")

@@ -58,6 +58,7 @@ def pool_block_counts(spec: KVCacheSpec, groups: TokenParallelGroups, device) ->
     """Per node, the smallest block count of its TP ranks (known on every rank)."""
     mine = torch.tensor([spec.num_blocks], dtype=torch.int64, device=device)
     dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=groups.tp_group)
-    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    return [int(every[groups.global_rank(n, 0)]) for n in range(groups.num_nodes)]
+    every = [torch.zeros_like(mine) for _ in range(groups.pool_size)]
+    dist.all_gather(every, mine, group=groups.pool_group)
+    base = groups.coordinator_rank
+    return [int(every[groups.global_rank(n, 0) - base]) for n in range(groups.num_nodes)]

@@ -142,7 +142,7 @@ class TKNPExecutor:
         if adm.request_id in self.local_ingest:  # the coordinator owns it
             return self.local_ingest.pop(adm.request_id)
         buf = torch.empty(shape, dtype=self.kv.spec.dtype, device=self.device)
-        dist.recv(buf, src=0)  # the coordinator sends each rank its heads (engine.py)
+        dist.recv(buf, src=self.groups.coordinator_rank)  # each rank gets its heads (engine.py)
         return buf
 
     def _attend(self, layer: int, qkv: torch.Tensor, inp: StepInputs) -> torch.Tensor:
@@ -220,9 +220,9 @@ class TKNPExecutor:
                                 inp.request_ids, inp.steps)
             if logits is not None:
                 logits.copy_(full)
-        dist.broadcast(tokens, src=src)
+        dist.broadcast(tokens, src=src, group=self.groups.pool_group)
         if logits is not None:
-            dist.broadcast(logits, src=src)
+            dist.broadcast(logits, src=src, group=self.groups.pool_group)
         return tokens, logits
 
     def _logits(self, hidden: torch.Tensor, last_rows: torch.Tensor) -> torch.Tensor:
