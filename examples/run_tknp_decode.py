@@ -120,6 +120,25 @@ def convert_worker(rank: int, world: int, hf_dir: str, out_dir: str, dtype: str)
 
 
 @contextlib.contextmanager
+def _outside_torchrun() -> Iterator[None]:
+    """Hide torchrun's variables while starting a separate pool: with them, its ranks
+    would join torchrun's rendezvous store (TORCHELASTIC_USE_AGENT_STORE) and hang."""
+    names = [k for k in os.environ if k.startswith("TORCHELASTIC_")]
+    names += ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"]
+    saved = {k: os.environ.pop(k) for k in names if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def convert_hf(args, out_dir: str) -> None:
+    """``--hf`` -> a torch_dist checkpoint in ``out_dir``, in a one-process pool."""
+    with _outside_torchrun():
+        spawn(convert_worker, 1, (args.hf, out_dir, args.dtype), timeout_s=args.timeout)
+
+
+@contextlib.contextmanager
 def checkpoint_dir(args) -> Iterator[Optional[str]]:
     """The checkpoint to serve: ``--load``, ``--hf`` converted into a temporary directory
     (removed on exit; under torchrun rank 0 converts, so ranks must share a filesystem),
@@ -132,7 +151,7 @@ def checkpoint_dir(args) -> Iterator[Optional[str]]:
         path = None
         if not distributed or dist.get_rank() == 0:
             path = stack.enter_context(tempfile.TemporaryDirectory(prefix="tknp-hf-"))
-            spawn(convert_worker, 1, (args.hf, path, args.dtype), timeout_s=args.timeout)
+            convert_hf(args, path)
         if distributed:
             box = [path]
             dist.broadcast_object_list(box, src=0, device=_object_device(args))

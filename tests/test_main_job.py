@@ -131,3 +131,22 @@ def test_bad_flags_fail_before_the_pool(tmp_path):
         job.parse_args(["--prompt", "hello"])
     with pytest.raises(SystemExit):  # a preset and a checkpoint at once
         job.parse_args(["--model", "tiny", "--load", str(tmp_path)])
+
+
+def test_tokenizer_eos_reaches_sampling(tmp_path):
+    """The tokenizer's EOS is every request's (and the reference's) stop token."""
+    pytest.importorskip("tokenizers")
+    from tknp_megatron.tokenizer import Tokenizer
+
+    module = _load_job_module()
+    tok = Tokenizer(make_tiny_tokenizer(tmp_path / "tok"))
+    config = tmp_path / "model.json"
+    config.write_text(json.dumps({**TINY_CONFIG, "vocab_size": tok.vocab_size}))
+    args = module.parse_args(["--tokenizer", str(tmp_path / "tok"), "--model-config",
+                              str(config), "--prompt", "the lazy dog"])
+    job = module.build_job(args, None, tok)
+    assert job.prompts == [tok.encode("the lazy dog")]
+    assert job.sampling().eos_id == tok.eos_id == 2
+    config.write_text(json.dumps({**TINY_CONFIG, "vocab_size": 16}))
+    with pytest.raises(SystemExit, match="tokenizer has"):
+        module.build_job(args, None, tok)

@@ -13,45 +13,12 @@ import pytest
 import torch
 
 from tknp_megatron.launch import spawn
-from tests.tknp_workers import Scenario, reference_worker, tknp_worker
+from tests.tknp_workers import SCENARIOS, SEED, tknp_worker
 
-SEED = 3
 WORLDS = {1: [(1, 1)], 2: [(2, 1), (1, 2)], 3: [(3, 1)], 4: [(4, 1), (2, 2)]}
 ALL_SHAPES = [s for shapes in WORLDS.values() for s in shapes]
 # the data-parallel baseline: two independent pools (1 node x TP2 each) in a world of 4
 DP_SHAPE = (1, 2, 2)
-
-
-def _prompts(n, lo, hi, seed, vocab=512):
-    g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
-    return tuple(tuple(torch.randint(0, vocab, (k,), generator=g).tolist()) for k in lens)
-
-
-def _scenarios():
-    mixed = _prompts(10, 2, 30, 1)
-    max_new = (6, 3, 8, 1, 5, 7, 2, 6, 4, 8)  # requests finish at different steps
-    few = _prompts(3, 3, 9, 2)
-    return [
-        # tight budget (40 tokens a node, 192 reserved in all): several waves even on 4 nodes
-        Scenario("llama-waves", "tiny", mixed, max_new, kv_tokens_per_node=40),
-        Scenario("nemotron-waves", "tiny-nemotron", mixed, max_new, kv_tokens_per_node=40),
-        # 3 requests, roomy cache: with 4 nodes one node owns nothing
-        Scenario("llama-few", "tiny", few, (5, 5, 5), kv_tokens_per_node=400),
-        Scenario("llama-ingest", "tiny", mixed[:6], max_new[:6], kv_tokens_per_node=96, ingest=True),
-        Scenario("llama-sampled", "tiny", mixed[:6], max_new[:6], kv_tokens_per_node=96,
-                 temperature=0.8, top_k=40, top_p=0.9),
-        Scenario("llama-graph-path", "tiny", mixed, max_new, kv_tokens_per_node=40, graphs=True),
-        Scenario("llama-bad-input", "tiny", few, (4, 4, 4), kv_tokens_per_node=64, extra_bad=True),
-    ]
-
-
-SCENARIOS = _scenarios()
-
-
-@pytest.fixture(scope="module")
-def reference():
-    return spawn(reference_worker, 1, (SCENARIOS, SEED), timeout_s=300)[0]
 
 
 @pytest.fixture(scope="module")

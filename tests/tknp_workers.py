@@ -82,7 +82,7 @@ def prefill_kv(model, preset, tokens) -> torch.Tensor:
     return torch.stack([torch.stack([k[:, 0], v[:, 0]]) for k, v in captured])
 
 
-def tknp_worker(rank, world, shapes, scenarios, seed, kv_by_scenario):
+def tknp_worker(rank, world, shapes, scenarios, seed, kv_by_scenario, engine_cls=None):
     """For each (N, T[, pools]) of this world and each scenario, run the engine.
 
     With several pools (the data-parallel baseline) each pool serves the requests
@@ -110,7 +110,8 @@ def tknp_worker(rank, world, shapes, scenarios, seed, kv_by_scenario):
             config = EngineConfig(block_size=s.block_size, kv_tokens_per_node=s.kv_tokens_per_node,
                                   record_logits=not s.graphs, attention_backend="torch",
                                   cuda_graphs=s.graphs)
-            engine = TKNPInferenceEngine(model, preset, placement, groups, config, torch.device("cpu"))
+            cls = engine_cls or TKNPInferenceEngine
+            engine = cls(model, preset, placement, groups, config, torch.device("cpu"))
             out[(*shape, s.name)] = run_scenario(engine, s, kv_by_scenario.get(s.name))
         ps.destroy_model_parallel()
     return out
@@ -137,11 +138,43 @@ def run_scenario(engine, s: Scenario, kvs):
                ([1] * 8, SamplingParams(max_new_tokens=s.kv_tokens_per_node * 4))]
         base = len(s.prompts)
         ids += [engine.add_request(p, sp, request_id=base + j) for j, (p, sp) in enumerate(bad)]
-    while engine.has_unfinished_requests():
-        engine.step()
-    engine.shutdown()
+    engine.run_until_done()
     return dict(
         results=[engine.result(i) for i in ids],
         waves=engine.metrics().waves,
         capacity=engine.kv_capacity_tokens,
     )
+
+
+# ---- the scenarios every end-to-end test file runs (see tests/conftest.py) ----
+
+SEED = 3
+
+
+def _prompts(n, lo, hi, seed, vocab=512):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return tuple(tuple(torch.randint(0, vocab, (k,), generator=g).tolist()) for k in lens)
+
+
+def _scenarios():
+    mixed = _prompts(10, 2, 30, 1)
+    max_new = (6, 3, 8, 1, 5, 7, 2, 6, 4, 8)  # requests finish at different steps
+    few = _prompts(3, 3, 9, 2)
+    return [
+        # tight budget (40 tokens a node, 192 reserved in all): several waves even on 4 nodes
+        Scenario("llama-waves", "tiny", mixed, max_new, kv_tokens_per_node=40),
+        Scenario("nemotron-waves", "tiny-nemotron", mixed, max_new, kv_tokens_per_node=40),
+        # 3 requests, roomy cache: with 4 nodes one node owns nothing
+        Scenario("llama-few", "tiny", few, (5, 5, 5), kv_tokens_per_node=400),
+        Scenario("llama-ingest", "tiny", mixed[:6], max_new[:6], kv_tokens_per_node=96, ingest=True),
+        Scenario("llama-sampled", "tiny", mixed[:6], max_new[:6], kv_tokens_per_node=96,
+                 temperature=0.8, top_k=40, top_p=0.9),
+        Scenario("llama-graph-path", "tiny", mixed, max_new, kv_tokens_per_node=40, graphs=True),
+        Scenario("llama-bad-input", "tiny", few, (4, 4, 4), kv_tokens_per_node=64, extra_bad=True),
+    ]
+
+
+
+
+SCENARIOS = _scenarios()

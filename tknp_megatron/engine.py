@@ -102,19 +102,12 @@ class TKNPInferenceEngine:
     ):
         self.preset, self.placement, self.groups, self.config = preset, placement, groups, config
         self.device, self.clock = device, clock
-        spec = kv_cache_spec(preset, model.config, groups, config, device)
-        self.block_counts = pool_block_counts(spec, groups, device)
-        self.kv = PagedKVCache(spec.with_blocks(self.block_counts[groups.node]), device)
-        rope = Rope(preset, model.config, device)
-        backend = get_backend(config.attention_backend, device)
-        self.executor = TKNPExecutor(
-            model, placement, groups, self.kv, rope, backend, preset.vocab_size, device
-        )
+        self.executor = self._build_executor(model)
         if config.cuda_graphs:
             self.executor.enable_cuda_graphs()
         self.requests: Dict[int, Request] = {}
         self._next_id = 0
-        self.peak_kv_tokens = [0] * groups.num_nodes  # per node, most tokens cached at once
+        self.peak_kv_tokens = [0] * len(self.block_counts)  # per owner, most tokens cached
         self._step = 0
         self.scheduler = None
         if groups.is_coordinator:
@@ -123,6 +116,21 @@ class TKNPInferenceEngine:
                 config.policy, config.max_requests_per_node, config.max_prefill_tokens
             )
             self.scheduler = Scheduler(sched_cfg, allocators, clock)
+
+    def _build_executor(self, model: StageModel) -> TKNPExecutor:
+        """Size this rank's KV cache, agree on every node's blocks, build the executor.
+
+        Sets ``self.kv`` and ``self.block_counts`` (blocks per owning node).
+        """
+        preset, groups, device = self.preset, self.groups, self.device
+        spec = kv_cache_spec(preset, model.config, groups, self.config, device)
+        self.block_counts = pool_block_counts(spec, groups, device)
+        self.kv = PagedKVCache(spec.with_blocks(self.block_counts[groups.node]), device)
+        rope = Rope(preset, model.config, device)
+        backend = get_backend(self.config.attention_backend, device)
+        return TKNPExecutor(
+            model, self.placement, groups, self.kv, rope, backend, preset.vocab_size, device
+        )
 
     # ---------------------------------------------------------------- requests
     @property
@@ -211,7 +219,7 @@ class TKNPInferenceEngine:
         if not result.batch:
             return []
         plan = build_plan(
-            self._step, result.batch, result.admissions, self.groups.num_nodes,
+            self._step, result.batch, result.admissions, len(self.block_counts),
             self.config.record_logits,
         )
         self._step += 1
@@ -267,7 +275,7 @@ class TKNPInferenceEngine:
     def _track_peak(self, plan: StepPlan) -> None:
         """Most KV tokens each node held during a step."""
         cached = (plan.start_pos + plan.q_lens).tolist()
-        for node in range(self.groups.num_nodes):
+        for node in range(len(self.block_counts)):
             lo, hi = plan.request_range(node)
             used = sum(cached[lo:hi])
             self.peak_kv_tokens[node] = max(self.peak_kv_tokens[node], used)
@@ -301,15 +309,19 @@ class TKNPInferenceEngine:
             if params is None or isinstance(params, SamplingParams):
                 params = [params] * len(prompts)
             ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
-            while self.has_unfinished_requests():
-                self.step()
-            self.shutdown()
+            self.run_until_done()
             results = [self.result(i) for i in ids]
         else:
             self.serve()
         box = [results]
         self._broadcast(box)
         return box[0]
+
+    def run_until_done(self) -> None:
+        """Coordinator: step until every submitted request has ended, then stop the pool."""
+        while self.has_unfinished_requests():
+            self.step()
+        self.shutdown()
 
     def result(self, request_id: int) -> GenerationResult:
         req = self.requests[request_id]

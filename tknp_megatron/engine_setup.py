@@ -8,7 +8,7 @@ must hold on every rank), and the coordinator learns every node's count.
 from __future__ import annotations
 
 import math
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,11 +32,20 @@ def _budget_blocks(bytes_per_block: int, econf, device: torch.device) -> int:
 
 
 def kv_cache_spec(
-    preset: ModelPreset, config, groups: TokenParallelGroups, econf, device: torch.device
+    preset: ModelPreset,
+    config,
+    groups: TokenParallelGroups,
+    econf,
+    device: torch.device,
+    num_layers: Optional[int] = None,
 ) -> KVCacheSpec:
-    """This rank's cache shape, sized from the engine's budget."""
+    """This rank's cache shape, sized from the engine's budget.
+
+    ``num_layers`` is the layers whose KV this rank keeps (all of them for TKNP owners;
+    a pipeline stage keeps only its own).
+    """
     probe = KVCacheSpec(
-        num_layers=preset.num_layers,
+        num_layers=preset.num_layers if num_layers is None else num_layers,
         num_blocks=1,
         block_size=econf.block_size,
         local_kv_heads=preset.local_kv_heads(groups.tp_size),

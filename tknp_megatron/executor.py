@@ -25,8 +25,10 @@ from parallel_state import TokenParallelGroups
 
 from .attention import AttentionBackend
 from .comm import TokenParallelComm
+from .dense import finish_layer, qkv_projection, vocab_logits
 from .kv_cache import PagedKVCache
 from .model import StageModel
+from .owner_attention import OwnerAttention
 from .placement import Placement
 from .plan import Admission, StepPlan
 from .profiler import PhaseTimer
@@ -34,7 +36,7 @@ from .rope import Rope
 from .sampling import greedy, sample
 from .step_inputs import StepInputs, prepare_inputs
 
-__all__ = ["StepOutput", "TKNPExecutor"]
+__all__ = ["StepOutput", "TKNPExecutor", "draw_tokens"]
 
 
 @dataclass(frozen=True)
@@ -79,10 +81,10 @@ class TKNPExecutor:
         self.heads = cfg.num_attention_heads // t
         self.groups_local = cfg.num_query_groups // t
         self.head_dim = cfg.kv_channels
-        self.qkv_width = (self.heads + 2 * self.groups_local) * self.head_dim
+        self.attend = OwnerAttention(kv, rope, attention, self.heads, self.groups_local, self.head_dim)
+        self.qkv_width = self.attend.qkv_width
         self.hidden_size = cfg.hidden_size
         self.dtype = cfg.params_dtype
-        self.scale = self.head_dim ** -0.5
         self.last_root = placement.root_of_layer(placement.num_layers - 1)
         self.local_ingest = {}  # request id -> KV the coordinator keeps for itself
         self.graphs = None  # set by enable_cuda_graphs
@@ -145,21 +147,6 @@ class TKNPExecutor:
         dist.recv(buf, src=self.groups.coordinator_rank)  # each rank gets its heads (engine.py)
         return buf
 
-    def _attend(self, layer: int, qkv: torch.Tensor, inp: StepInputs) -> torch.Tensor:
-        """``[own_rows, qkv_width]`` -> ``[own_rows, heads * d]`` for this node's requests."""
-        rows = qkv.shape[0]
-        per_group = self.heads // self.groups_local
-        mixed = qkv.view(rows, self.groups_local, per_group + 2, self.head_dim)
-        q = mixed[:, :, :per_group].reshape(rows, self.heads, self.head_dim)
-        k = mixed[:, :, per_group]
-        v = mixed[:, :, per_group + 1]
-        q = self.rope.apply(q, inp.freqs)
-        k = self.rope.apply(k, inp.freqs)
-        self.kv.write(layer, k, v, inp.slot_mapping)
-        k_cache, v_cache = self.kv.layer(layer)
-        out = self.attention.forward(q, k_cache, v_cache, inp.meta, self.scale)
-        return out.reshape(rows, self.heads * self.head_dim)
-
     # ---------------------------------------------------------------- root side
     def _hidden_buffer(self, rows: int) -> torch.Tensor:
         return torch.empty(rows, 1, self.hidden_size, dtype=self.dtype, device=self.device)
@@ -174,14 +161,13 @@ class TKNPExecutor:
         block = self.model.layer(layer) if is_root else None
         qkv = None
         if is_root:
-            qkv, _ = block.self_attention.linear_qkv(block.input_layernorm(hidden))
-            qkv = qkv.view(-1, self.qkv_width)
+            qkv = qkv_projection(block, hidden)
             _mark(timer, "root_qkv")
         own_rows = rows_per_owner[self.node]
         mine = torch.empty(own_rows, self.qkv_width, dtype=self.dtype, device=self.device)
         mine = self.comm.scatter(qkv, root, rows_per_owner, mine)
         _mark(timer, "scatter")
-        attn = self._attend(layer, mine, inp)
+        attn = self.attend(layer, mine, inp)
         _mark(timer, "attention")
         gathered = None
         if is_root:
@@ -190,18 +176,9 @@ class TKNPExecutor:
         _mark(timer, "gather")
         if not is_root:
             return None
-        hidden = self._finish_layer(block, gathered.unsqueeze(1), hidden)
+        hidden = finish_layer(block, gathered.unsqueeze(1), hidden)
         _mark(timer, "root_proj_mlp")
         return hidden
-
-    @staticmethod
-    def _finish_layer(block, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """Megatron's order: linear_proj, bias-dropout-add, pre-MLP norm, MLP, bias-dropout-add."""
-        cfg = block.config
-        out = block.self_attention.linear_proj(attn)
-        hidden = block.self_attn_bda(False, cfg.bias_dropout_fusion)(out, residual, block.hidden_dropout)
-        mlp_out = block.mlp(block.pre_mlp_layernorm(hidden))
-        return block.mlp_bda(False, cfg.bias_dropout_fusion)(mlp_out, hidden, block.hidden_dropout)
 
     # ---------------------------------------------------------------- sampling
     def _sample(self, hidden, inp: StepInputs, record_logits: bool):
@@ -212,12 +189,9 @@ class TKNPExecutor:
         if record_logits:
             logits = torch.empty(n, self.vocab_size, dtype=torch.float32, device=self.device)
         if self.node == self.last_root:
-            full = self._logits(hidden, inp.last_rows)
-            if inp.shape.all_greedy:
-                tokens = greedy(full)
-            else:
-                tokens = sample(full, inp.temperature, inp.top_k, inp.top_p, inp.seeds,
-                                inp.request_ids, inp.steps)
+            g = self.groups
+            full = vocab_logits(self.model, hidden, inp.last_rows, g.tp_group, g.tp_size, self.vocab_size)
+            tokens = draw_tokens(full, inp)
             if logits is not None:
                 logits.copy_(full)
         dist.broadcast(tokens, src=src, group=self.groups.pool_group)
@@ -225,19 +199,12 @@ class TKNPExecutor:
             dist.broadcast(logits, src=src, group=self.groups.pool_group)
         return tokens, logits
 
-    def _logits(self, hidden: torch.Tensor, last_rows: torch.Tensor) -> torch.Tensor:
-        """Sampled rows -> ``[R, vocab]`` float32 (vocab-parallel logits all-gathered in TP)."""
-        h = self.model.decoder.final_layernorm(hidden.index_select(0, last_rows))
-        local, _ = self.model.output_layer(h)  # [R, 1, V / T]
-        local = local[:, 0].contiguous()
-        t = self.groups.tp_size
-        if t == 1:
-            return local[:, : self.vocab_size].float()
-        parts = local.new_empty((t * local.shape[0], local.shape[1]))
-        # Megatron's gather_from_tensor_model_parallel_region asks torch.cuda for a device.
-        dist.all_gather_into_tensor(parts, local, group=self.groups.tp_group)
-        full = parts.view(t, local.shape[0], -1).permute(1, 0, 2).reshape(local.shape[0], -1)
-        return full[:, : self.vocab_size].float()
+
+def draw_tokens(logits: torch.Tensor, inp: StepInputs) -> torch.Tensor:
+    """``[R, vocab]`` -> ``[R]`` tokens: argmax when the whole step is greedy, else sample."""
+    if inp.shape.all_greedy:
+        return greedy(logits)
+    return sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.request_ids, inp.steps)
 
 
 def _mark(timer: Optional[PhaseTimer], phase: str) -> None:

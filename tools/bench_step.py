@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tknp_megatron.dense import finish_layer, vocab_logits  # noqa: E402
 from tknp_megatron.plan import StepPlan  # noqa: E402
 from tknp_megatron.profiler import PhaseTimer, PhaseTimes  # noqa: E402
 
@@ -155,7 +156,7 @@ def compute_only(ex, preset, batch: int, ctx: int, num_nodes: int, reps: int) ->
 
     def dense():
         qkv, _ = block.self_attention.linear_qkv(block.input_layernorm(hidden))
-        ex._finish_layer(block, attn_in, hidden)
+        finish_layer(block, attn_in, hidden)
         return qkv
 
     plan = decode_plan(batch, ctx, num_nodes, 0)
@@ -163,9 +164,12 @@ def compute_only(ex, preset, batch: int, ctx: int, num_nodes: int, reps: int) ->
     rows = plan.rows_per_owner[ex.node]
     qkv_rows = torch.randn(rows, ex.qkv_width, device=ex.device, dtype=ex.dtype)
     out = dict(dense_ms=graph_time(dense, reps) * 1e3,
-               attention_ms=graph_time(lambda: ex._attend(layer_id, qkv_rows, inp), reps) * 1e3)
+               attention_ms=graph_time(lambda: ex.attend(layer_id, qkv_rows, inp), reps) * 1e3)
     if ex.model.output_layer is not None:
-        out["logits_ms"] = graph_time(lambda: ex._logits(hidden, inp.last_rows), reps) * 1e3
+        g = ex.groups
+        out["logits_ms"] = graph_time(
+            lambda: vocab_logits(ex.model, hidden, inp.last_rows, g.tp_group, g.tp_size, ex.vocab_size),
+            reps) * 1e3
     return out
 
 

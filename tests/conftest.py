@@ -1,0 +1,12 @@
+"""Shared fixtures: the Megatron reference runs, computed once per test session."""
+
+import pytest
+
+from tknp_megatron.launch import spawn
+from tests.tknp_workers import SCENARIOS, SEED, reference_worker
+
+
+@pytest.fixture(scope="session")
+def reference():
+    """Scenario name -> (reference outputs, K/V of prompt[:-1] or None)."""
+    return spawn(reference_worker, 1, (SCENARIOS, SEED), timeout_s=300)[0]

@@ -1,0 +1,85 @@
+"""Pool workers for the DCP baseline tests (module level so spawn can pickle them)."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Sequence, Tuple
+
+import torch
+
+from tests.tknp_workers import Scenario, params_for, run_scenario
+
+
+@dataclass(frozen=True)
+class DCPCase:
+    """A model variant (``base`` preset with ``kv_heads`` query groups) on ``world`` ranks."""
+
+    world: int
+    base: str
+    kv_heads: int
+
+    @property
+    def name(self) -> str:
+        return f"W{self.world}-{self.base}-kv{self.kv_heads}"
+
+    def preset(self):
+        from tknp_megatron.config import get_preset
+
+        return get_preset(self.base).replace(num_query_groups=self.kv_heads)
+
+
+def reference_worker(rank, world, cases: Sequence[DCPCase], scenarios: Sequence[Scenario], seed: int):
+    """Megatron GPTModel (TP = 1) per model variant: generations and layer-0 fused QKV weight."""
+    warnings.simplefilter("ignore")
+    import parallel_state as ps
+    from tknp_megatron.reference import build_reference_model, reference_generate
+    from tknp_megatron.weights import fill_seeded_
+
+    ps.initialize_model_parallel(1)
+    out = {}
+    for case in {(c.base, c.kv_heads): c for c in cases}.values():
+        preset = case.preset()
+        model = build_reference_model(preset)
+        fill_seeded_(model, preset, seed)
+        qkv = model.decoder.layers[0].self_attention.linear_qkv.weight.detach().clone()
+        gens = {s.name: reference_generate(model, preset, s.prompts, params_for(s)) for s in scenarios}
+        out[(case.base, case.kv_heads)] = (gens, qkv)
+    return out
+
+
+def dcp_worker(rank, world, cases: Sequence[DCPCase], scenarios: Sequence[Scenario], seed: int):
+    """Every case of this world size through the DCP engine; also this rank's layer-0 QKV."""
+    warnings.simplefilter("ignore")
+    import parallel_state as ps
+    from tknp_megatron.baselines.dcp import DCPInferenceEngine, init_dcp_groups
+    from tknp_megatron.baselines.dcp_qkv import build_dcp_model
+    from tknp_megatron.engine import EngineConfig
+    from tknp_megatron.weights import fill_seeded_
+
+    out = {}
+    for case in cases:
+        if case.world != world:
+            continue
+        preset = case.preset()
+        groups = ps.initialize_model_parallel(tensor_model_parallel_size=world, token_parallel_size=1)
+        dcp = init_dcp_groups(groups, preset.num_query_groups)
+        model = build_dcp_model(preset, range(preset.num_layers), pre_process=True, post_process=True,
+                                tp=world, params_dtype=torch.float32, device=torch.device("cpu"))
+        fill_seeded_(model, preset, seed)
+        out[(case.name, "qkv")] = model.layer(0).self_attention.linear_qkv.weight.detach().clone()
+        out[(case.name, "dcp")] = (dcp.degree, dcp.shard, dcp.kv_head)
+        for s in scenarios:
+            config = EngineConfig(block_size=s.block_size, kv_tokens_per_node=s.kv_tokens_per_node,
+                                  record_logits=True)
+            engine = DCPInferenceEngine(model, preset, groups, dcp, config, torch.device("cpu"))
+            out[(case.name, s.name)] = run_scenario(engine, s, None)
+            out[(case.name, s.name, "kv")] = _cache_summary(engine)
+        ps.destroy_model_parallel()
+    return out
+
+
+def _cache_summary(engine) -> Tuple[int, int]:
+    """(tokens per local block, local blocks) of this rank's shard cache."""
+    spec = engine.kv.spec
+    return spec.block_size, spec.num_blocks

@@ -1,0 +1,59 @@
+"""The pipeline-parallel baseline against the same Megatron reference (fp32, CPU, gloo).
+
+Stages hold TKNP's layer blocks; every stage keeps every request's KV for its own layers;
+microbatches are pipelined across steps. Greedy tokens equal the reference, logits within
+1e-4, for (stages, TP) in {(1,2), (2,1), (3,1), (2,2)}, with waves, mid-batch completion,
+seeded sampling and bad input; outside KV other than synthetic is refused by name.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tknp_megatron.baselines.pp import PPInferenceEngine
+from tknp_megatron.launch import spawn
+from tests.tknp_workers import SCENARIOS, SEED, tknp_worker
+
+WORLDS = {2: [(1, 2), (2, 1)], 3: [(3, 1)], 4: [(2, 2)]}
+SHAPES = [s for shapes in WORLDS.values() for s in shapes]
+PP_SCENARIOS = [s for s in SCENARIOS if not s.ingest and not s.graphs]
+INGEST = [s for s in SCENARIOS if s.ingest]
+
+
+@pytest.fixture(scope="module")
+def pp(reference):
+    kvs = {name: kv for name, (_, kv) in reference.items() if kv is not None}
+    out = {}
+    for world, shapes in WORLDS.items():
+        args = (shapes, PP_SCENARIOS + INGEST[:1] * (world == 2), SEED, kvs, PPInferenceEngine)
+        for rank_out in spawn(tknp_worker, world, args, timeout_s=400):
+            out.update({k: v for k, v in rank_out.items() if v is not None})
+    return out
+
+
+CASES = [(shape, s) for shape in SHAPES for s in PP_SCENARIOS]
+
+
+@pytest.mark.parametrize("shape,scenario", CASES,
+                         ids=[f"S{sh[0]}T{sh[1]}-{s.name}" for sh, s in CASES])
+def test_pp_matches_reference(pp, reference, shape, scenario):
+    run = pp[(*shape, scenario.name)]
+    ref, _ = reference[scenario.name]
+    for res, exp in zip(run["results"][: len(scenario.prompts)], ref):
+        assert res.status.value == "completed", res.reject_reason
+        assert res.tokens == exp.tokens, f"request {res.request_id}"
+        if not scenario.graphs:
+            torch.testing.assert_close(res.logits, exp.logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"S{s[0]}T{s[1]}")
+def test_pp_waves_under_capacity(pp, shape):
+    assert pp[(*shape, "llama-waves")]["waves"] >= 2
+
+
+@pytest.mark.parametrize("shape", WORLDS[2], ids=lambda s: f"S{s[0]}T{s[1]}")
+def test_pp_refuses_outside_kv_by_name(pp, shape):
+    results = pp[(*shape, "llama-ingest")]["results"]
+    assert all(r.status.value == "rejected" for r in results)
+    assert "request 0: the PP baseline takes outside KV only as synthetic_kv" == results[0].reject_reason

@@ -1,0 +1,292 @@
+"""Decode context parallelism (DCP, as in vLLM) run by the TKNP engine and scheduler.
+
+One pool of W ranks, one "node": dense layers are Megatron tensor parallel over all W
+ranks (embedding, ``linear_proj``, MLP, output layer: Megatron's modules with TP = W).
+Each rank computes its ``Hq / W`` query heads; the ``D = W / Hkv`` ranks that share a KV
+head compute that head's k/v redundantly (:class:`~.dcp_qkv.DCPQKVLinear`) but *store*
+only their sequence shard: position ``p`` lives on shard ``p % D`` at local position
+``p // D`` (cyclic; see :mod:`.dcp_attention`). Per layer, on every rank:
+
+1. norm + QKV (own q heads, the group's k/v), RoPE;
+2. append k/v of the rows whose position falls in this shard;
+3. all-gather the queries of the D ranks of the group  -> ``[rows, Hq / Hkv, d]``;
+4. partial attention over the local shard              -> out ``[rows, Hq/Hkv, d]``, LSE fp32;
+5. all-gather LSE ``[rows, Hq / Hkv]`` and all-to-all the partial outputs so each rank
+   gets the D partials of its own heads; merge with the LSE correction;
+6. ``linear_proj`` (row parallel, all-reduce over W), residual, norm, MLP, residual.
+
+Blocks: the scheduler's block of ``B`` tokens is one local block of ``B / D`` tokens on
+each shard (token p -> local block ``(p // D) // (B / D) = p // B``), so the same block
+table row serves every rank and capacity is counted in whole-sequence tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from parallel_state import TokenParallelGroups
+
+from ..dense import finish_layer, qkv_projection, vocab_logits
+from ..engine import TKNPInferenceEngine
+from ..engine_setup import _budget_blocks, pool_block_counts
+from ..executor import StepOutput, draw_tokens
+from ..kv_cache import KVCacheSpec, PagedKVCache
+from ..placement import balanced_placement
+from ..plan import StepPlan
+from ..rope import Rope
+from ..step_inputs import StepShape
+from .dcp_attention import ShardMetadata, merge_partials, partial_attention
+from .dcp_qkv import dcp_degree
+
+__all__ = [
+    "DCPGroups", "DCPStepInputs", "DCPExecutor", "DCPInferenceEngine",
+    "init_dcp_groups", "dcp_kv_cache_spec", "prepare_dcp_inputs",
+]
+
+
+@dataclass(frozen=True)
+class DCPGroups:
+    """A rank's place in DCP.
+
+    Attributes:
+        degree: D, ranks sharing one KV head.
+        shard: j, this rank's sequence shard (its index among the D).
+        kv_head: g, the KV head this rank's group holds.
+        group: the D ranks of the group (the TP group itself when D = W).
+    """
+
+    degree: int
+    shard: int
+    kv_head: int
+    group: Optional[dist.ProcessGroup]
+
+
+def init_dcp_groups(groups: TokenParallelGroups, num_query_groups: int) -> DCPGroups:
+    """Create the DCP groups (every rank creates every group, in order)."""
+    if groups.num_nodes != 1:
+        raise ValueError("DCP runs one TP group over the whole pool (token_parallel_size=1)")
+    world = groups.tp_size
+    degree = dcp_degree(num_query_groups, world)
+    kv_head, shard = divmod(groups.tp_rank, degree)
+    if degree == world:
+        return DCPGroups(degree, shard, kv_head, groups.tp_group)
+    mine = None
+    for g in range(world // degree):
+        ranks = [groups.global_rank(0, g * degree + j) for j in range(degree)]
+        pg = dist.new_group(ranks)
+        mine = pg if g == kv_head else mine
+    return DCPGroups(degree, shard, kv_head, mine)
+
+
+def dcp_kv_cache_spec(preset, config, dcp: DCPGroups, econf, device) -> KVCacheSpec:
+    """One shard's cache: one KV head, ``block_size / D`` tokens per block, and as many
+    blocks as the budget holds in whole-sequence tokens (CPU) or free memory (GPU)."""
+    if econf.block_size % dcp.degree:
+        raise ValueError(f"block_size {econf.block_size} must be a multiple of DCP degree {dcp.degree}")
+    probe = KVCacheSpec(
+        num_layers=preset.num_layers, num_blocks=1, block_size=econf.block_size // dcp.degree,
+        local_kv_heads=1, head_dim=preset.kv_channels, dtype=config.params_dtype,
+        max_slots=econf.max_requests_per_node,
+        max_blocks_per_seq=math.ceil(preset.gpt.max_sequence_length / econf.block_size),
+    )
+    blocks = _budget_blocks(probe.bytes_per_block, econf, device)
+    if blocks < 1:
+        raise RuntimeError(f"DCP shard {dcp.shard}: no memory left for the KV cache")
+    return probe.with_blocks(blocks)
+
+
+@dataclass(frozen=True, eq=False)
+class DCPStepInputs:
+    """One rank's inputs for a DCP step (on its device).
+
+    Attributes:
+        shape: batch layout and sampling mode (one node owns every row).
+        tokens: ``[rows]`` input ids.
+        freqs: ``[rows, 1, 1, rot_dim]`` RoPE angles of every row.
+        own_rows: ``[n]`` rows whose position falls in this shard.
+        write_slots: ``[n]`` flat cache slots of those rows' k/v.
+        attn: partial-attention metadata of the local shard.
+        last_rows, temperature, top_k, top_p, seeds, request_ids, steps: ``[R]`` sampling.
+    """
+
+    shape: StepShape
+    tokens: torch.Tensor
+    freqs: torch.Tensor
+    own_rows: torch.Tensor
+    write_slots: torch.Tensor
+    attn: ShardMetadata
+    last_rows: torch.Tensor
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    seeds: torch.Tensor
+    request_ids: torch.Tensor
+    steps: torch.Tensor
+
+
+def prepare_dcp_inputs(plan: StepPlan, dcp: DCPGroups, kv: PagedKVCache, rope: Rope, device) -> DCPStepInputs:
+    """Host arithmetic from the plan (positions, shard membership), one copy to the device."""
+    d, j = dcp.degree, dcp.shard
+    n_req, rows = plan.num_requests, plan.num_rows
+    cu = torch.zeros(n_req + 1, dtype=torch.int64)
+    torch.cumsum(plan.q_lens, 0, out=cu[1:])
+    row_req = torch.repeat_interleave(torch.arange(n_req), plan.q_lens, output_size=rows)
+    positions = plan.start_pos[row_req] + torch.arange(rows) - cu[row_req]
+    own = torch.nonzero(positions % d == j).flatten()
+    seq_lens = plan.start_pos + plan.q_lens
+    local_lens = torch.clamp(seq_lens - j + d - 1, min=0) // d
+    slots = plan.slots.to(device)
+    write_slots = kv.slot_mapping(slots[row_req[own].to(device)], (positions[own] // d).to(device))
+    attn = ShardMetadata(
+        row_request=row_req.to(device), positions=positions.to(device),
+        local_lens=local_lens.to(device), block_table=kv.block_table[slots],
+        max_local_len=int(local_lens.max()) if n_req else 0, shard=j, degree=d,
+    )
+    shape = StepShape((rows,), (n_req,), bool((plan.temperature == 0).all()))
+    return DCPStepInputs(
+        shape=shape, tokens=plan.tokens.to(device), freqs=rope.freqs(positions.to(device)),
+        own_rows=own.to(device), write_slots=write_slots, attn=attn,
+        last_rows=(cu[1:] - 1).to(device), temperature=plan.temperature.to(device),
+        top_k=plan.top_k.to(device), top_p=plan.top_p.to(device), seeds=plan.seeds.to(device),
+        request_ids=plan.request_ids.to(device), steps=plan.sample_steps.to(device),
+    )
+
+
+class DCPExecutor:
+    """Runs step plans for one DCP rank, with the surface the engine drives
+    (``execute``, ``apply_admissions``, ``local_ingest``, ``enable_cuda_graphs``).
+
+    Args:
+        model: the whole model, TP-sharded over W, with DCP QKV (see ``build_dcp_model``).
+        groups: the pool's groups (one node, TP = W).
+        dcp: this rank's DCP group.
+        kv: this shard's paged cache (:func:`dcp_kv_cache_spec`).
+        rope: RoPE.
+        vocab_size: unpadded vocabulary.
+        device: this rank's device.
+    """
+
+    def __init__(self, model, groups: TokenParallelGroups, dcp: DCPGroups, kv: PagedKVCache,
+                 rope: Rope, vocab_size: int, device: torch.device):
+        cfg = model.config
+        self.model, self.groups, self.dcp, self.kv, self.rope = model, groups, dcp, kv, rope
+        self.vocab_size, self.device = vocab_size, device
+        self.num_layers = cfg.num_layers
+        self.heads = cfg.num_attention_heads // groups.tp_size  # own q heads
+        self.head_dim = cfg.kv_channels
+        self.scale = self.head_dim ** -0.5
+        self.dtype = cfg.params_dtype
+        self.local_ingest = {}  # external KV is not supported; kept for the engine's surface
+
+    def enable_cuda_graphs(self) -> None:
+        raise NotImplementedError("DCP baseline: CUDA graphs are not implemented")
+
+    @torch.no_grad()
+    def execute(self, plan: StepPlan, timer=None) -> StepOutput:
+        """Run ``plan``; every rank returns the same :class:`StepOutput`."""
+        self.apply_admissions(plan.admissions)
+        inp = prepare_dcp_inputs(plan, self.dcp, self.kv, self.rope, self.device)
+        hidden = self.model.embedding(inp.tokens.unsqueeze(0), position_ids=None)  # [rows, 1, D]
+        for layer in range(self.num_layers):
+            hidden = self._layer(layer, hidden, inp)
+        return self._sample(hidden, inp, plan.record_logits)
+
+    def apply_admissions(self, admissions: tuple) -> None:
+        """Every rank writes the same block-table row; ingested KV: synthetic only."""
+        for adm in admissions:
+            self.kv.assign(adm.slot, adm.blocks)
+            if not adm.ingest_len:
+                continue
+            if adm.synthetic_seed is None:
+                raise NotImplementedError("DCP baseline: external KV ingest is not implemented")
+            n = -(-max(adm.ingest_len - self.dcp.shard, 0) // self.dcp.degree)
+            seed = zlib.crc32(f"{adm.synthetic_seed}/{self.dcp.kv_head}/{self.dcp.shard}".encode())
+            gen = torch.Generator(device=self.device).manual_seed(seed)
+            shape = (self.num_layers, 2, n, 1, self.head_dim)
+            self.kv.ingest(adm.slot, torch.randn(shape, generator=gen, device=self.device,
+                                                 dtype=self.kv.spec.dtype))
+
+    # ---------------------------------------------------------------- one layer
+    def _layer(self, layer: int, hidden: torch.Tensor, inp: DCPStepInputs) -> torch.Tensor:
+        block = self.model.layer(layer)
+        rows, h, d = hidden.shape[0], self.heads, self.head_dim
+        qkv = qkv_projection(block, hidden).view(rows, h + 2, d)  # own q heads, k, v
+        q = self.rope.apply(qkv[:, :h], inp.freqs)
+        k = self.rope.apply(qkv[:, h : h + 1], inp.freqs)
+        v = qkv[:, h + 1 : h + 2]
+        own = inp.own_rows
+        self.kv.write(layer, k.index_select(0, own), v.index_select(0, own), inp.write_slots)
+        k_cache, v_cache = self.kv.layer(layer)
+        out, lse = partial_attention(self._gather_queries(q), k_cache, v_cache, inp.attn, self.scale)
+        attn = self._merge(out, lse).to(self.dtype).reshape(rows, 1, h * d)
+        return finish_layer(block, attn, hidden)
+
+    def _gather_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """``[rows, h, d]`` own heads -> ``[rows, D h, d]`` the group's heads, in head order."""
+        deg = self.dcp.degree
+        if deg == 1:
+            return q
+        buf = q.new_empty((deg * q.shape[0],) + tuple(q.shape[1:]))  # gloo: dim-0 concatenation
+        dist.all_gather_into_tensor(buf, q.contiguous(), group=self.dcp.group)
+        return buf.view((deg,) + tuple(q.shape)).permute(1, 0, 2, 3).reshape(q.shape[0], deg * q.shape[1], q.shape[2])
+
+    def _merge(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """Partials over the group's heads ``[rows, D h, d]`` + LSE -> own heads ``[rows, h, d]``.
+
+        LSE (fp32) is all-gathered; the partial outputs (model dtype) go through one
+        all-to-all so each rank receives the D shards' partials of its own heads.
+        """
+        deg, (rows, _, d), h = self.dcp.degree, out.shape, self.heads
+        if deg == 1:
+            return out
+        lses = lse.new_empty((deg * rows, deg * h))
+        dist.all_gather_into_tensor(lses, lse.contiguous(), group=self.dcp.group)
+        send = out.to(self.dtype).view(rows, deg, h, d).transpose(0, 1).contiguous()
+        recv = torch.empty_like(send)  # [D source shards, rows, h, d]
+        dist.all_to_all_single(recv, send, group=self.dcp.group)
+        mine = lses.view(deg, rows, deg, h)[:, :, self.dcp.shard]
+        return merge_partials(recv, mine)
+
+    # ---------------------------------------------------------------- sampling
+    def _sample(self, hidden: torch.Tensor, inp: DCPStepInputs, record_logits: bool) -> StepOutput:
+        """Every rank computes the logits (TP all-gather); the coordinator's draw is broadcast."""
+        g = self.groups
+        logits = vocab_logits(self.model, hidden, inp.last_rows, g.tp_group, g.tp_size, self.vocab_size)
+        tokens = draw_tokens(logits, inp)
+        dist.broadcast(tokens, src=g.coordinator_rank, group=g.pool_group)
+        return StepOutput(tokens, logits if record_logits else None)
+
+
+class DCPInferenceEngine(TKNPInferenceEngine):
+    """:class:`~tknp_megatron.engine.TKNPInferenceEngine` with a DCP executor and cache.
+
+    Only :meth:`_build_executor` differs: the pool is one node (one allocator, block
+    counts in whole-sequence tokens); requests, scheduling, stepping and metrics are the
+    TKNP engine's. External KV (``add_request(kv=...)``) is rejected.
+    """
+
+    def __init__(self, model, preset, groups: TokenParallelGroups, dcp: DCPGroups, config,
+                 device: torch.device, clock=time.perf_counter):
+        self.dcp = dcp
+        super().__init__(model, preset, balanced_placement(preset, 1), groups, config, device, clock)
+
+    def _build_executor(self, model) -> DCPExecutor:
+        spec = dcp_kv_cache_spec(self.preset, model.config, self.dcp, self.config, self.device)
+        self.block_counts = pool_block_counts(spec, self.groups, self.device)
+        self.kv = PagedKVCache(spec.with_blocks(self.block_counts[0]), self.device)
+        rope = Rope(self.preset, model.config, self.device)
+        return DCPExecutor(model, self.groups, self.dcp, self.kv, rope, self.preset.vocab_size,
+                           self.device)
+
+    def _problem(self, req):
+        reason = super()._problem(req)
+        if reason is None and req.kv is not None:
+            reason = f"request {req.request_id}: external KV ingest is not supported by DCP"
+        return reason

@@ -1,0 +1,42 @@
+"""The root's dense work on Megatron's own layer submodules, in Megatron's order.
+
+Shared by TKNP and the baselines: the input norm + QKV projection, then (after
+attention) linear_proj, bias-dropout-add, pre-MLP norm, MLP, bias-dropout-add; and the
+final norm + vocab-parallel output layer with the TP all-gather of the logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["qkv_projection", "finish_layer", "vocab_logits"]
+
+
+def qkv_projection(block, hidden: torch.Tensor) -> torch.Tensor:
+    """``[rows, 1, D]`` -> ``[rows, qkv_width / T]`` (this TP rank's fused QKV columns)."""
+    qkv, _ = block.self_attention.linear_qkv(block.input_layernorm(hidden))
+    return qkv.view(hidden.shape[0], qkv.shape[-1])
+
+
+def finish_layer(block, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """Attention output ``[rows, 1, heads * d / T]`` and residual ``[rows, 1, D]`` -> ``[rows, 1, D]``."""
+    cfg = block.config
+    out = block.self_attention.linear_proj(attn)
+    hidden = block.self_attn_bda(False, cfg.bias_dropout_fusion)(out, residual, block.hidden_dropout)
+    mlp_out = block.mlp(block.pre_mlp_layernorm(hidden))
+    return block.mlp_bda(False, cfg.bias_dropout_fusion)(mlp_out, hidden, block.hidden_dropout)
+
+
+def vocab_logits(model, hidden: torch.Tensor, rows: torch.Tensor, tp_group, tp_size: int, vocab: int):
+    """Rows ``rows`` of ``hidden`` -> ``[R, vocab]`` float32 logits on every TP rank."""
+    h = model.decoder.final_layernorm(hidden.index_select(0, rows))
+    local, _ = model.output_layer(h)  # [R, 1, V / T]
+    local = local[:, 0].contiguous()
+    if tp_size == 1:
+        return local[:, :vocab].float()
+    parts = local.new_empty((tp_size * local.shape[0], local.shape[1]))
+    # Megatron's gather_from_tensor_model_parallel_region asks torch.cuda for a device.
+    dist.all_gather_into_tensor(parts, local, group=tp_group)
+    full = parts.view(tp_size, local.shape[0], -1).permute(1, 0, 2).reshape(local.shape[0], -1)
+    return full[:, :vocab].float()
