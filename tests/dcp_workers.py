@@ -13,11 +13,13 @@ from tests.tknp_workers import Scenario, params_for, run_scenario
 
 @dataclass(frozen=True)
 class DCPCase:
-    """A model variant (``base`` preset with ``kv_heads`` query groups) on ``world`` ranks."""
+    """A model variant (``base`` preset with ``kv_heads`` query groups) on ``world`` ranks,
+    run on the scenarios named in ``scenarios``."""
 
     world: int
     base: str
     kv_heads: int
+    scenarios: Tuple[str, ...] = ("waves",)
 
     @property
     def name(self) -> str:
@@ -38,12 +40,18 @@ def reference_worker(rank, world, cases: Sequence[DCPCase], scenarios: Sequence[
 
     ps.initialize_model_parallel(1)
     out = {}
-    for case in {(c.base, c.kv_heads): c for c in cases}.values():
+    variants = {}
+    for c in cases:
+        variants.setdefault((c.base, c.kv_heads), (c, set()))[1].update(c.scenarios)
+    for case, names in variants.values():
         preset = case.preset()
         model = build_reference_model(preset)
         fill_seeded_(model, preset, seed)
         qkv = model.decoder.layers[0].self_attention.linear_qkv.weight.detach().clone()
-        gens = {s.name: reference_generate(model, preset, s.prompts, params_for(s)) for s in scenarios}
+        gens = {
+            s.name: reference_generate(model, preset, s.prompts, params_for(s))
+            for s in scenarios if s.name in names
+        }
         out[(case.base, case.kv_heads)] = (gens, qkv)
     return out
 
@@ -70,6 +78,8 @@ def dcp_worker(rank, world, cases: Sequence[DCPCase], scenarios: Sequence[Scenar
         out[(case.name, "qkv")] = model.layer(0).self_attention.linear_qkv.weight.detach().clone()
         out[(case.name, "dcp")] = (dcp.degree, dcp.shard, dcp.kv_head)
         for s in scenarios:
+            if s.name not in case.scenarios:
+                continue
             config = EngineConfig(block_size=s.block_size, kv_tokens_per_node=s.kv_tokens_per_node,
                                   record_logits=True)
             engine = DCPInferenceEngine(model, preset, groups, dcp, config, torch.device("cpu"))
