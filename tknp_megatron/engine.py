@@ -33,7 +33,7 @@ from .rope import Rope
 from .sampling import SamplingParams
 from .scheduler import LoadPolicy, Scheduler, SchedulerConfig
 
-__all__ = ["EngineConfig", "GenerationResult", "TKNPInferenceEngine"]
+__all__ = ["Arrival", "EngineConfig", "GenerationResult", "TKNPInferenceEngine"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,9 @@ class EngineConfig:
         kv_tokens_per_node: KV budget per node in tokens (CPU); None sizes the cache
             from free GPU memory after weights.
         gpu_memory_utilization: fraction of GPU memory the process may use in total.
+        gpu_memory_cap_gib: if set, size the KV cache as if each GPU had only this much
+            memory (weights included): a smaller model then reproduces a large model's
+            capacity regime.
         max_requests_per_node: request slots per node.
         max_prefill_tokens: prompt tokens admitted per step.
         policy: owner choice among eligible nodes (``usage`` or ``reserved``).
@@ -57,12 +60,24 @@ class EngineConfig:
     block_size: int = 16
     kv_tokens_per_node: Optional[int] = None
     gpu_memory_utilization: float = 0.9
+    gpu_memory_cap_gib: Optional[float] = None
     max_requests_per_node: int = 256
     max_prefill_tokens: int = 16384
     policy: LoadPolicy = LoadPolicy.USAGE
     attention_backend: Optional[str] = None
     record_logits: bool = False
     cuda_graphs: bool = False
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """A request that enters the queue ``time_s`` after the trace is released."""
+
+    time_s: float
+    prompt: tuple
+    params: SamplingParams
+    request_id: int
+    synthetic_kv: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -106,6 +121,8 @@ class TKNPInferenceEngine:
         if config.cuda_graphs:
             self.executor.enable_cuda_graphs()
         self.requests: Dict[int, Request] = {}
+        self._arrivals: List[Arrival] = []  # future arrivals, latest first
+        self._release_t0 = 0.0
         self._next_id = 0
         self.peak_kv_tokens = [0] * len(self.block_counts)  # per owner, most tokens cached
         self._step = 0
@@ -205,8 +222,32 @@ class TKNPInferenceEngine:
         return None
 
     def has_unfinished_requests(self) -> bool:
+        """Requests waiting or running (arrivals still to come included)."""
         self._require_coordinator("has_unfinished_requests")
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._arrivals)
+
+    def release_trace(self, arrivals: Sequence[Arrival], t0: Optional[float] = None) -> None:
+        """Coordinator: submit each arrival once ``t0 + time_s`` has passed (trace replay).
+
+        Request release times (queue wait, completion time) count from ``t0 + time_s``.
+        """
+        self._require_coordinator("release_trace")
+        self._release_t0 = self.clock() if t0 is None else t0
+        self._arrivals = sorted(arrivals, key=lambda a: a.time_s, reverse=True)
+        self._release_due()
+
+    def _release_due(self) -> None:
+        now = self.clock()
+        while self._arrivals and self._release_t0 + self._arrivals[-1].time_s <= now:
+            a = self._arrivals.pop()
+            self.add_request(a.prompt, a.params, synthetic_kv=a.synthetic_kv,
+                             arrival_time=self._release_t0 + a.time_s, request_id=a.request_id)
+
+    def _wait_for_arrival(self) -> None:
+        """Idle until the next arrival (nothing is queued or running)."""
+        if self._arrivals:
+            time.sleep(max(0.0, self._release_t0 + self._arrivals[-1].time_s - self.clock()))
+        self._release_due()
 
     # ---------------------------------------------------------------- stepping
     def step(self) -> List[int]:
@@ -215,6 +256,7 @@ class TKNPInferenceEngine:
         if not self.groups.is_coordinator:
             self._follow()
             return []
+        self._release_due()
         result = self.scheduler.schedule()
         if not result.batch:
             return []
@@ -320,6 +362,8 @@ class TKNPInferenceEngine:
     def run_until_done(self) -> None:
         """Coordinator: step until every submitted request has ended, then stop the pool."""
         while self.has_unfinished_requests():
+            if not self.scheduler.has_work():
+                self._wait_for_arrival()
             self.step()
         self.shutdown()
 

@@ -18,16 +18,19 @@ from parallel_state import TokenParallelGroups
 from .config import ModelPreset
 from .kv_cache import KVCacheSpec
 
-__all__ = ["kv_cache_spec", "pool_block_counts"]
+__all__ = ["budget_blocks", "kv_cache_spec", "pool_block_counts"]
 
 
-def _budget_blocks(bytes_per_block: int, econf, device: torch.device) -> int:
+def budget_blocks(bytes_per_block: int, econf, device: torch.device) -> int:
+    """KV blocks this rank may allocate under the engine's budget."""
     if econf.kv_tokens_per_node is not None:
         return math.ceil(econf.kv_tokens_per_node / econf.block_size)
     if device.type != "cuda":
         raise ValueError("kv_tokens_per_node is required off GPU (no free-memory measure)")
     free, total = torch.cuda.mem_get_info(device)
     budget = free - (1.0 - econf.gpu_memory_utilization) * total
+    if econf.gpu_memory_cap_gib is not None:  # pretend the GPU holds only this much
+        budget = min(budget, econf.gpu_memory_cap_gib * 2**30 - torch.cuda.memory_allocated(device))
     return max(0, int(budget // bytes_per_block))
 
 
@@ -54,7 +57,7 @@ def kv_cache_spec(
         max_slots=econf.max_requests_per_node,
         max_blocks_per_seq=math.ceil(preset.gpt.max_sequence_length / econf.block_size),
     )
-    blocks = _budget_blocks(probe.bytes_per_block, econf, device)
+    blocks = budget_blocks(probe.bytes_per_block, econf, device)
     if blocks < 1:
         raise RuntimeError(
             f"node {groups.node} rank {groups.tp_rank}: no memory left for the KV cache "

@@ -35,6 +35,7 @@ from .profiler import PhaseTimer
 from .rope import Rope
 from .sampling import greedy, sample
 from .step_inputs import StepInputs, prepare_inputs
+from .synthetic import synthetic_kv
 
 __all__ = ["StepOutput", "TKNPExecutor", "draw_tokens"]
 
@@ -139,8 +140,13 @@ class TKNPExecutor:
         """KV for the admitted request's first ``ingest_len`` tokens, this rank's heads."""
         shape = (self.placement.num_layers, 2, adm.ingest_len, self.groups_local, self.head_dim)
         if adm.synthetic_seed is not None:
-            gen = torch.Generator(device=self.device).manual_seed(adm.synthetic_seed)
-            return torch.randn(shape, generator=gen, device=self.device, dtype=self.kv.spec.dtype)
+            g = self.groups_local
+            heads = range(self.groups.tp_rank * g, (self.groups.tp_rank + 1) * g)
+            return synthetic_kv(
+                adm.synthetic_seed, range(self.placement.num_layers),
+                torch.arange(adm.ingest_len), heads, g * self.groups.tp_size, self.head_dim,
+                self.kv.spec.dtype, self.device,
+            )
         if adm.request_id in self.local_ingest:  # the coordinator owns it
             return self.local_ingest.pop(adm.request_id)
         buf = torch.empty(shape, dtype=self.kv.spec.dtype, device=self.device)

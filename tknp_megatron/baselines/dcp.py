@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 import time
-import zlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -35,13 +34,14 @@ from parallel_state import TokenParallelGroups
 
 from ..dense import finish_layer, qkv_projection, vocab_logits
 from ..engine import TKNPInferenceEngine
-from ..engine_setup import _budget_blocks, pool_block_counts
+from ..engine_setup import budget_blocks, pool_block_counts
 from ..executor import StepOutput, draw_tokens
 from ..kv_cache import KVCacheSpec, PagedKVCache
 from ..placement import balanced_placement
 from ..plan import StepPlan
 from ..rope import Rope
 from ..step_inputs import StepShape
+from ..synthetic import synthetic_kv
 from .dcp_attention import ShardMetadata, merge_partials, partial_attention
 from .dcp_qkv import dcp_degree
 
@@ -96,7 +96,7 @@ def dcp_kv_cache_spec(preset, config, dcp: DCPGroups, econf, device) -> KVCacheS
         max_slots=econf.max_requests_per_node,
         max_blocks_per_seq=math.ceil(preset.gpt.max_sequence_length / econf.block_size),
     )
-    blocks = _budget_blocks(probe.bytes_per_block, econf, device)
+    blocks = budget_blocks(probe.bytes_per_block, econf, device)
     if blocks < 1:
         raise RuntimeError(f"DCP shard {dcp.shard}: no memory left for the KV cache")
     return probe.with_blocks(blocks)
@@ -179,6 +179,7 @@ class DCPExecutor:
         self.model, self.groups, self.dcp, self.kv, self.rope = model, groups, dcp, kv, rope
         self.vocab_size, self.device = vocab_size, device
         self.num_layers = cfg.num_layers
+        self.num_kv_heads = cfg.num_query_groups
         self.heads = cfg.num_attention_heads // groups.tp_size  # own q heads
         self.head_dim = cfg.kv_channels
         self.scale = self.head_dim ** -0.5
@@ -206,12 +207,12 @@ class DCPExecutor:
                 continue
             if adm.synthetic_seed is None:
                 raise NotImplementedError("DCP baseline: external KV ingest is not implemented")
-            n = -(-max(adm.ingest_len - self.dcp.shard, 0) // self.dcp.degree)
-            seed = zlib.crc32(f"{adm.synthetic_seed}/{self.dcp.kv_head}/{self.dcp.shard}".encode())
-            gen = torch.Generator(device=self.device).manual_seed(seed)
-            shape = (self.num_layers, 2, n, 1, self.head_dim)
-            self.kv.ingest(adm.slot, torch.randn(shape, generator=gen, device=self.device,
-                                                 dtype=self.kv.spec.dtype))
+            # this shard's positions p = shard, shard + D, ... < ingest_len, its KV head
+            positions = torch.arange(self.dcp.shard, adm.ingest_len, self.dcp.degree)
+            self.kv.ingest(adm.slot, synthetic_kv(
+                adm.synthetic_seed, range(self.num_layers), positions, [self.dcp.kv_head],
+                self.num_kv_heads, self.head_dim, self.kv.spec.dtype, self.device,
+            ))
 
     # ---------------------------------------------------------------- one layer
     def _layer(self, layer: int, hidden: torch.Tensor, inp: DCPStepInputs) -> torch.Tensor:

@@ -29,6 +29,7 @@ from ..owner_attention import OwnerAttention
 from ..plan import STOP_PLAN, StepPlan, build_plan
 from ..rope import Rope
 from ..step_inputs import prepare_inputs
+from ..synthetic import synthetic_kv
 
 __all__ = ["PPExecutor", "PPInferenceEngine"]
 
@@ -94,10 +95,13 @@ class PPExecutor:
                 self.kv.ingest(adm.slot, kv)
 
     def _ingested(self, adm) -> torch.Tensor:
-        layers = len(self.local_layer)
-        shape = (layers, 2, adm.ingest_len, self.attend.kv_heads, self.attend.head_dim)
-        gen = torch.Generator(device=self.device).manual_seed(adm.synthetic_seed + self.stage)
-        return torch.randn(shape, generator=gen, device=self.device, dtype=self.kv.spec.dtype)
+        """This stage's layers and this TP rank's heads of the request's synthetic KV."""
+        g, t = self.attend.kv_heads, self.groups.tp_rank
+        return synthetic_kv(
+            adm.synthetic_seed, self.model.layer_ids, torch.arange(adm.ingest_len),
+            range(t * g, (t + 1) * g), g * self.groups.tp_size, self.attend.head_dim,
+            self.kv.spec.dtype, self.device,
+        )
 
     @torch.no_grad()
     def run(self, plan: StepPlan, hidden: Optional[torch.Tensor]):
@@ -166,7 +170,9 @@ class PPInferenceEngine(TKNPInferenceEngine):
     def run_until_done(self) -> None:
         """Coordinator: cycle microbatches until every request has ended, then stop."""
         inflight = [None] * self.num_microbatches
-        while self.scheduler.has_work() or any(p is not None for p in inflight):
+        while self.has_unfinished_requests() or any(p is not None for p in inflight):
+            if not self.scheduler.has_work() and not any(p is not None for p in inflight):
+                self._wait_for_arrival()
             for m in range(self.num_microbatches):
                 if inflight[m] is not None:
                     self._receive_tokens(inflight[m])
@@ -179,6 +185,7 @@ class PPInferenceEngine(TKNPInferenceEngine):
         self.executor.flush()
 
     def _plan_for(self, m: int) -> Optional[StepPlan]:
+        self._release_due()
         result = self.scheduler.schedule()
         for req in result.admitted:  # join the smallest microbatch, for good
             sizes = [0] * self.num_microbatches

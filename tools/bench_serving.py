@@ -1,0 +1,184 @@
+"""Side by side: TKNP, DP, TP, PP and DCP on the same traces, one invocation (issue 6).
+
+On GPUs, one process per GPU::
+
+    torchrun --nproc-per-node 2 tools/bench_serving.py --device cuda --model llama3.1-70b \\
+        --layers 8 --gpu-memory-gib 32 --contexts 32768 --batches 16 64 128 --output-len 128 \\
+        --out $OUT/serving
+
+On CPU (no torchrun) it starts a gloo pool itself (``--world``). Every mode serves the
+same seeded trace with prompts' KV arriving from outside (synthetic, identical in every
+mode), greedy decoding; a mode's tokens must equal every other mode's on the same model
+(checked and reported). DCP needs more ranks than KV heads, so it runs on a variant
+with ``--dcp-kv-heads`` KV heads, and TKNP runs on that variant too (``tknp-mqa``).
+Writes ``results.json``, ``results.csv`` and PNG plots (throughput vs offered batch,
+latency panels, SLO vs arrival rate) under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tknp_megatron.config import dtype_from_name, get_preset  # noqa: E402
+from tknp_megatron.launch import init_distributed, spawn  # noqa: E402
+
+MODES = ("tknp", "dp", "tp", "pp", "dcp")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--layers", type=int, default=None, help="stack this many of the preset's layers")
+    p.add_argument("--dcp-kv-heads", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1, help="ranks per node (TKNP, DP, PP)")
+    p.add_argument("--contexts", type=int, nargs="+", default=[64])
+    p.add_argument("--batches", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--output-len", type=int, default=8)
+    p.add_argument("--rates", type=float, nargs="*", default=[],
+                   help="Poisson arrival rates (req/s) for the mixed-length trace")
+    p.add_argument("--mixed-requests", type=int, default=0, help="requests in the mixed trace")
+    p.add_argument("--mixed-scale", type=float, default=1.0 / 256)
+    p.add_argument("--burst", action="store_true", help="also the mixed trace as one burst")
+    p.add_argument("--gpu-memory-gib", type=float, default=None, help="per-GPU memory cap")
+    p.add_argument("--kv-tokens-per-node", type=int, default=None, help="KV budget (CPU)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--cuda-graphs", action="store_true")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--world", type=int, default=2, help="processes when not under torchrun")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench_serving_out")
+    args = p.parse_args(argv)
+    args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    return args
+
+
+def _traces(args):
+    from tknp_megatron import workload as wl
+
+    for ctx in args.contexts:
+        for batch in args.batches:
+            yield ctx, batch, None, wl.fixed_length(batch, ctx, args.output_len, args.seed)
+    if args.mixed_requests:
+        base = wl.mixed_length(args.mixed_requests, args.seed, args.mixed_scale, args.output_len)
+        for rate in args.rates:
+            yield 0, args.mixed_requests, rate, wl.with_poisson_arrivals(base, rate, args.seed)
+        if args.burst:
+            yield 0, args.mixed_requests, float("inf"), wl.as_burst(base)
+
+
+def _runs(args):
+    """(label, mode, preset) for every requested mode."""
+    preset = get_preset(args.model)
+    if args.layers:
+        preset = preset.replace(num_layers=args.layers)
+    mqa = preset.replace(num_query_groups=args.dcp_kv_heads)
+    out = [(m, m, preset) for m in args.modes if m != "dcp"]
+    if "dcp" in args.modes:
+        out += [("dcp", "dcp", mqa), ("tknp-mqa", "tknp", mqa)]
+    return out
+
+
+def worker(rank, world, args):
+    warnings.simplefilter("ignore")
+    from tknp_megatron.engine import EngineConfig
+    from tknp_megatron.serving import Mode, run_mode
+
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    config = EngineConfig(block_size=args.block_size, kv_tokens_per_node=args.kv_tokens_per_node,
+                          gpu_memory_cap_gib=args.gpu_memory_gib, cuda_graphs=args.cuda_graphs,
+                          max_prefill_tokens=1 << 30)
+    rows = []
+    for ctx, batch, rate, trace in _traces(args):
+        for label, mode, preset in _runs(args):
+            run = run_mode(Mode(mode), preset, trace, config, args.tp,
+                           dtype_from_name(args.dtype), device, args.seed)
+            if rank == 0:
+                rows.append(_row(label, ctx, batch, rate, run))
+                m = run.metrics
+                print(f"[{len(rows)}] {label:>8} ctx={ctx} batch={batch} rate={rate}: "
+                      f"{m.completion_throughput_tok_s:.1f} tok/s, waves {m.waves}", flush=True)
+    return rows
+
+
+def _row(label, ctx, batch, rate, run) -> dict:
+    m = run.metrics
+    return dict(mode=label, context=ctx, offered_batch=batch, arrival_rate=rate,
+                completion_throughput_tok_s=m.completion_throughput_tok_s,
+                queue_wait_s_mean=m.queue_wait_s_mean, itl_s_p95=m.itl_s_p95,
+                completion_time_s_mean=m.completion_time_s_mean, slo_attainment=m.slo_attainment,
+                waves=m.waves, completed=m.completed, rejected=m.rejected,
+                kv_capacity_tokens=[list(c) for c in run.kv_capacity_tokens],
+                outputs=[list(o) for o in run.outputs])
+
+
+def tokens_agree(rows) -> dict:
+    """Per trace and model family: do all modes' greedy tokens agree?"""
+    groups = {}
+    for r in rows:
+        family = "mqa" if r["mode"] in ("dcp", "tknp-mqa") else "base"
+        key = f"{family}/ctx{r['context']}/b{r['offered_batch']}/rate{r['arrival_rate']}"
+        groups.setdefault(key, []).append(r["outputs"])
+    return {k: all(o == v[0] for o in v) for k, v in groups.items()}
+
+
+def report(rows, out_dir: Path) -> None:
+    from tknp_megatron.plots import (ModeResult, plot_latency_panels, plot_slo_vs_rate,
+                                     plot_throughput_vs_batch, rows_to_csv)
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    agree = tokens_agree(rows)
+    (out_dir / "results.json").write_text(json.dumps(dict(rows=rows, tokens_agree=agree), indent=1))
+    results = [ModeResult.from_dict(r) for r in rows]
+    rows_to_csv(results, out_dir / "results.csv")
+    batch_rows = [r for r in results if r.arrival_rate is None]
+    if batch_rows:
+        plot_throughput_vs_batch(batch_rows, out_dir / "throughput_vs_batch.png")
+        for ctx in sorted({r.context for r in batch_rows}):
+            plot_latency_panels(batch_rows, ctx, out_dir / f"latency_ctx{ctx}.png")
+    if any(r.arrival_rate not in (None, float("inf")) for r in results):
+        plot_slo_vs_rate(results, out_dir / "slo_vs_rate.png")
+    print(f"{'mode':>9} {'ctx':>6} {'batch':>5} {'rate':>6} {'tok/s':>9} {'waves':>5} "
+          f"{'queue_s':>8} {'itl95_ms':>8} {'compl_s':>8}")
+    for r in rows:
+        print(f"{r['mode']:>9} {r['context']:>6} {r['offered_batch']:>5} {str(r['arrival_rate']):>6} "
+              f"{r['completion_throughput_tok_s']:>9.1f} {r['waves']:>5} {r['queue_wait_s_mean']:>8.3f} "
+              f"{1e3 * r['itl_s_p95']:>8.2f} {r['completion_time_s_mean']:>8.3f}")
+    print("tokens agree across modes:", agree, flush=True)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if "RANK" in os.environ:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if args.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        init_distributed("nccl" if args.device == "cuda" else "gloo", rank, world, 1800)
+        rows = worker(rank, world, args)
+        if rank == 0:
+            report(rows, Path(args.out))
+        dist.barrier()
+        if args.device == "cuda":
+            os._exit(0)  # NCCL teardown after graph capture can hang (DEVICE.md)
+        dist.destroy_process_group()
+    else:
+        rows = spawn(worker, args.world, (args,), timeout_s=1800)[0]
+        report(rows, Path(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
