@@ -18,8 +18,8 @@ def test_all_modes_one_invocation(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((out / "results.json").read_text())
     modes = {r["mode"] for r in result["rows"]}
-    assert modes == {"tknp", "dp", "tp", "pp", "dcp", "tknp-mqa"}
-    assert result["tokens_agree"] and all(result["tokens_agree"].values())
+    assert modes == {"TKNP", "DP", "TP", "PP", "DCP", "TKNP-MQA"}
+    assert result["tokens_agree"] and all(v == 1.0 for v in result["tokens_agree"].values())
     for r in result["rows"]:
         assert r["completed"] == r["offered_batch"] and r["rejected"] == 0
         assert r["completion_throughput_tok_s"] > 0

@@ -1,8 +1,8 @@
 """CUDA graphs of the whole decode step, one per ownership layout bucket.
 
-A decode step's shapes are fixed by the rows each owner holds. Each owner's request count
-is rounded up to a bucket (:func:`~tknp_megatron.step_inputs.pad_plan`), so a graph is
-keyed by the padded per-owner counts (the captured ownership layout) and the sampling mode.
+A decode step's shapes are fixed by the rows each owner holds. Every owner's request
+count is padded to one bucket (:func:`~tknp_megatron.step_inputs.pad_plan`), so a graph
+is keyed by the padded ownership layout and the sampling mode.
 Every rank derives the same key from the broadcast plan, so all ranks capture (and warm
 up, which runs the step's collectives) together. Capture uses the executor's own
 ``forward``; replays copy the step's inputs into the captured buffers. With

@@ -102,6 +102,22 @@ def _arrivals(workload: Workload, vocab: int, seed: int, pool: int, pools: int) 
     return out
 
 
+def _warm_up(engine, workload: Workload, vocab: int, seed: int, pools: int) -> None:
+    """Serve the trace's first requests for a few tokens, unmeasured: compiles kernels,
+    starts communicators and captures the decode graphs of the trace's layouts."""
+    warm = dataclasses.replace(workload, requests=tuple(
+        dataclasses.replace(r, output_len=min(r.output_len, 4), arrival_s=0.0)
+        for r in workload.requests
+    ))
+    if engine.groups.is_coordinator:
+        engine.release_trace(_arrivals(warm, vocab, seed, engine.groups.pool, pools))
+        engine.run_until_done()
+        engine.requests.clear()
+        engine.scheduler.waves = 0
+    else:
+        engine.serve()
+
+
 def run_mode(
     mode: Mode,
     preset: ModelPreset,
@@ -118,6 +134,7 @@ def run_mode(
                                           num_pools=pools)
     try:
         engine = _engine(mode, preset, groups, config, dtype, device, seed)
+        _warm_up(engine, workload, preset.vocab_size, seed, pools)
         dist.barrier()
         t0 = time.perf_counter()  # one clock for every process on the host
         if groups.is_coordinator:

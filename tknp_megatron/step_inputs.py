@@ -141,14 +141,16 @@ def bucket(n: int, multiple: int = 8) -> int:
 
 
 def pad_plan(plan: StepPlan, dummy_slot: int) -> Tuple[StepPlan, torch.Tensor]:
-    """Pad a pure-decode plan so each owner's request count is a bucket.
+    """Pad a pure-decode plan so every owner holds the same bucketed request count.
 
+    One bucket for all owners (that of the busiest) keeps the number of captured layouts
+    to the number of buckets; the scheduler balances owners, so little is padded.
     Dummy requests use ``dummy_slot`` (whose block-table row points at a scratch block),
     position 0, token 0, greedy, request id -1. Returns the padded plan and ``[R]`` the
     index of each real request in the padded batch.
     """
     counts = plan.requests_per_owner
-    padded = tuple(bucket(c) for c in counts)
+    padded = (bucket(max(counts)),) * len(counts)
     parts, index, at = {f: [] for f in _PER_REQUEST}, [], 0
     for node, (c, p) in enumerate(zip(counts, padded)):
         lo, hi = plan.request_range(node)
