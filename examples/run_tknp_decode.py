@@ -194,16 +194,10 @@ def resolve_model(args, ckpt: Optional[str]) -> ModelSource:
     if ckpt is None:
         return ModelSource(preset, weights=f"seeded (seed {args.seed})")
     from tknp_megatron.checkpoint import checkpoint_padded_vocab_size
-    from tknp_megatron.model import padded_vocab_size
 
     vocab = checkpoint_padded_vocab_size(ckpt)
     if vocab < preset.vocab_size:
         raise SystemExit(f"{ckpt}: {vocab} embedding rows < vocab_size {preset.vocab_size}")
-    # build_reference_model pads preset.vocab_size to a multiple of 128 and takes no vocab
-    # override, so the reference gets the checkpoint's rows only when that is a no-op.
-    if not args.no_reference and padded_vocab_size(preset.replace(vocab_size=vocab), 1) != vocab:
-        raise SystemExit(f"{ckpt}: padded vocab {vocab} is not a multiple of 128, which the "
-                         "reference cannot build; run with --no-reference")
     origin = f"HF {args.hf} (converted)" if args.hf else f"checkpoint {ckpt}"
     return ModelSource(preset, ckpt, vocab, origin)
 
@@ -329,10 +323,8 @@ def run_reference(job: Job, device: torch.device):
     mpu.initialize_model_parallel(1)
     out = None
     if source.checkpoint or dist.get_rank() == 0:
-        # build_reference_model has no vocab override: a preset whose vocab already is
-        # the checkpoint's padded size (checked to be a multiple of 128 in resolve_model).
-        shape = source.preset.replace(vocab_size=source.padded_vocab or source.preset.vocab_size)
-        model = build_reference_model(shape, dtype_from_name(args.dtype), device)
+        model = build_reference_model(source.preset, dtype_from_name(args.dtype), device,
+                                      vocab_size=source.padded_vocab)
         _load_weights(model, source, args.seed)
         if dist.get_rank() == 0:
             params = [job.sampling()] * len(job.prompts)

@@ -34,10 +34,14 @@ class ReferenceOutput:
 
 
 def build_reference_model(
-    preset: ModelPreset, params_dtype: torch.dtype = torch.float32, device=torch.device("cpu")
+    preset: ModelPreset,
+    params_dtype: torch.dtype = torch.float32,
+    device=torch.device("cpu"),
+    vocab_size: Optional[int] = None,
 ) -> GPTModel:
     """A full TP=1 Megatron ``GPTModel`` (uninitialised; fill or load it).
 
+    ``vocab_size`` overrides the padded vocabulary (a checkpoint's embedding rows).
     Needs ``megatron.core.parallel_state`` initialised with TP = PP = 1.
     """
     config = preset.to_transformer_config(1, params_dtype, use_cpu_initialization=True)
@@ -49,7 +53,7 @@ def build_reference_model(
     model = GPTModel(
         config,
         block,
-        vocab_size=padded_vocab_size(preset, 1),
+        vocab_size=vocab_size or padded_vocab_size(preset, 1),
         max_sequence_length=preset.gpt.max_sequence_length,
         position_embedding_type=preset.gpt.position_embedding_type,
         rotary_percent=preset.gpt.rotary_percent,
