@@ -33,7 +33,7 @@ from .placement import Placement
 from .plan import Admission, StepPlan
 from .profiler import PhaseTimer
 from .rope import Rope
-from .sampling import greedy, sample
+from .sampling import SamplingTensors, greedy, sample
 from .step_inputs import StepInputs, prepare_inputs
 from .synthetic import synthetic_kv
 
@@ -197,7 +197,7 @@ class TKNPExecutor:
         if self.node == self.last_root:
             g = self.groups
             full = vocab_logits(self.model, hidden, inp.last_rows, g.tp_group, g.tp_size, self.vocab_size)
-            tokens = draw_tokens(full, inp)
+            tokens = draw_tokens(full, inp.sampling, inp.shape.all_greedy)
             if logits is not None:
                 logits.copy_(full)
         dist.broadcast(tokens, src=src, group=self.groups.pool_group)
@@ -206,11 +206,11 @@ class TKNPExecutor:
         return tokens, logits
 
 
-def draw_tokens(logits: torch.Tensor, inp: StepInputs) -> torch.Tensor:
+def draw_tokens(logits: torch.Tensor, sampling: SamplingTensors, all_greedy: bool) -> torch.Tensor:
     """``[R, vocab]`` -> ``[R]`` tokens: argmax when the whole step is greedy, else sample."""
-    if inp.shape.all_greedy:
+    if all_greedy:
         return greedy(logits)
-    return sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, inp.request_ids, inp.steps)
+    return sample(logits, *sampling)
 
 
 def _mark(timer: Optional[PhaseTimer], phase: str) -> None:

@@ -19,8 +19,9 @@ from .attention import AttentionMetadata
 from .kv_cache import PagedKVCache
 from .plan import StepPlan
 from .rope import Rope
+from .sampling import SamplingTensors
 
-__all__ = ["StepInputs", "StepShape", "prepare_inputs", "pad_plan", "bucket"]
+__all__ = ["StepInputs", "StepShape", "prepare_inputs", "plan_sampling", "pad_plan", "bucket"]
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class StepInputs:
         freqs: ``[own_rows, 1, 1, rot_dim]`` RoPE angles of this node's rows.
         meta: attention metadata of this node's requests.
         last_rows: ``[R]`` row of each request's sampled token.
-        temperature, top_k, top_p, seeds, request_ids, steps: ``[R]`` sampling inputs.
+        sampling: the ``[R]`` sampling tensors of :func:`~tknp_megatron.sampling.sample`.
     """
 
     shape: StepShape
@@ -55,20 +56,14 @@ class StepInputs:
     freqs: torch.Tensor
     meta: AttentionMetadata
     last_rows: torch.Tensor
-    temperature: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-    seeds: torch.Tensor
-    request_ids: torch.Tensor
-    steps: torch.Tensor
+    sampling: SamplingTensors
 
     def tensors(self):
         """Every tensor field, in a fixed order (for copying into static buffers)."""
         m = self.meta
         return (
             self.tokens, self.slot_mapping, self.freqs, m.query_start_loc, m.seq_lens,
-            m.block_table, self.last_rows, self.temperature, self.top_k, self.top_p,
-            self.seeds, self.request_ids, self.steps,
+            m.block_table, self.last_rows, *self.sampling,
         )
 
     def copy_(self, other: "StepInputs") -> None:
@@ -118,12 +113,15 @@ def prepare_inputs(
         freqs=rope.freqs(positions),
         meta=meta,
         last_rows=(torch.cumsum(plan.q_lens, 0) - 1).to(device),
-        temperature=plan.temperature.to(device),
-        top_k=plan.top_k.to(device),
-        top_p=plan.top_p.to(device),
-        seeds=plan.seeds.to(device),
-        request_ids=plan.request_ids.to(device),
-        steps=plan.sample_steps.to(device),
+        sampling=plan_sampling(plan, device),
+    )
+
+
+def plan_sampling(plan: StepPlan, device: torch.device) -> SamplingTensors:
+    """The plan's ``[R]`` sampling tensors on ``device``."""
+    return SamplingTensors(
+        plan.temperature.to(device), plan.top_k.to(device), plan.top_p.to(device),
+        plan.seeds.to(device), plan.request_ids.to(device), plan.sample_steps.to(device),
     )
 
 

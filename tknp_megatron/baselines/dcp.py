@@ -40,7 +40,8 @@ from ..kv_cache import KVCacheSpec, PagedKVCache
 from ..placement import balanced_placement
 from ..plan import StepPlan
 from ..rope import Rope
-from ..step_inputs import StepShape
+from ..sampling import SamplingTensors
+from ..step_inputs import StepShape, plan_sampling
 from ..synthetic import synthetic_kv
 from .dcp_attention import ShardMetadata, merge_partials, partial_attention
 from .dcp_qkv import dcp_degree
@@ -113,7 +114,7 @@ class DCPStepInputs:
         own_rows: ``[n]`` rows whose position falls in this shard.
         write_slots: ``[n]`` flat cache slots of those rows' k/v.
         attn: partial-attention metadata of the local shard.
-        last_rows, temperature, top_k, top_p, seeds, request_ids, steps: ``[R]`` sampling.
+        last_rows: ``[R]`` sampled row of each request; sampling: its ``[R]`` sampling tensors.
     """
 
     shape: StepShape
@@ -123,12 +124,7 @@ class DCPStepInputs:
     write_slots: torch.Tensor
     attn: ShardMetadata
     last_rows: torch.Tensor
-    temperature: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-    seeds: torch.Tensor
-    request_ids: torch.Tensor
-    steps: torch.Tensor
+    sampling: SamplingTensors
 
 
 def prepare_dcp_inputs(plan: StepPlan, dcp: DCPGroups, kv: PagedKVCache, rope: Rope, device) -> DCPStepInputs:
@@ -153,9 +149,7 @@ def prepare_dcp_inputs(plan: StepPlan, dcp: DCPGroups, kv: PagedKVCache, rope: R
     return DCPStepInputs(
         shape=shape, tokens=plan.tokens.to(device), freqs=rope.freqs(positions.to(device)),
         own_rows=own.to(device), write_slots=write_slots, attn=attn,
-        last_rows=(cu[1:] - 1).to(device), temperature=plan.temperature.to(device),
-        top_k=plan.top_k.to(device), top_p=plan.top_p.to(device), seeds=plan.seeds.to(device),
-        request_ids=plan.request_ids.to(device), steps=plan.sample_steps.to(device),
+        last_rows=(cu[1:] - 1).to(device), sampling=plan_sampling(plan, device),
     )
 
 
@@ -260,7 +254,7 @@ class DCPExecutor:
         """Every rank computes the logits (TP all-gather); the coordinator's draw is broadcast."""
         g = self.groups
         logits = vocab_logits(self.model, hidden, inp.last_rows, g.tp_group, g.tp_size, self.vocab_size)
-        tokens = draw_tokens(logits, inp)
+        tokens = draw_tokens(logits, inp.sampling, inp.shape.all_greedy)
         dist.broadcast(tokens, src=g.coordinator_rank, group=g.pool_group)
         return StepOutput(tokens, logits if record_logits else None)
 

@@ -121,7 +121,7 @@ class PPExecutor:
             return hidden
         gr = self.groups
         logits = vocab_logits(self.model, hidden, inp.last_rows, gr.tp_group, gr.tp_size, self.vocab)
-        return draw_tokens(logits, inp), logits
+        return draw_tokens(logits, inp.sampling, inp.shape.all_greedy), logits
 
 
 class PPInferenceEngine(TKNPInferenceEngine):
