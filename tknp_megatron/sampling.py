@@ -19,6 +19,8 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
+from .hashing import MASK32, mix32
+
 __all__ = [
     "SamplingParams",
     "SamplingTensors",
@@ -28,7 +30,6 @@ __all__ = [
     "hash_uniform",
 ]
 
-_MASK32 = 0xFFFFFFFF
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -137,19 +138,6 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 # --- counter-based hash on 32-bit lanes held in int64 --------------------------------
 
 
-def _mix32(h: torch.Tensor) -> torch.Tensor:
-    """A bijection on [0, 2**32): a lowbias32-style mixer (hash-prospector constants).
-
-    Both multipliers are below 2**31, so with ``h < 2**32`` every product is below 2**63:
-    the int64 arithmetic never overflows and the result is exact on every backend.
-    """
-    h = h ^ (h >> 16)
-    h = (h * 0x21F0AAAD) & _MASK32
-    h = h ^ (h >> 15)
-    h = (h * 0x735A2D97) & _MASK32
-    return h ^ (h >> 15)
-
-
 def _row_key(seeds: torch.Tensor, request_ids: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """``[B]`` int64 -> ``[B, 1]`` 32-bit key.
 
@@ -159,10 +147,10 @@ def _row_key(seeds: torch.Tensor, request_ids: torch.Tensor, steps: torch.Tensor
     Salts come from ``arange`` (a kernel), not a host tensor, so CUDA-graph capture works.
     """
     x = torch.stack((seeds, request_ids, steps))  # [3, B]
-    lanes = torch.cat((x & _MASK32, (x >> 32) & _MASK32))  # [6, B]; arithmetic shift, masked
-    salts = (torch.arange(1, 7, device=x.device, dtype=torch.int64) * 0x9E3779B1) & _MASK32
-    mixed = _mix32(_mix32(lanes ^ salts[:, None]))
-    return _mix32(_mix32(mixed.sum(0) & _MASK32))[:, None]
+    lanes = torch.cat((x & MASK32, (x >> 32) & MASK32))  # [6, B]; arithmetic shift, masked
+    salts = (torch.arange(1, 7, device=x.device, dtype=torch.int64) * 0x9E3779B1) & MASK32
+    mixed = mix32(mix32(lanes ^ salts[:, None]))
+    return mix32(mix32(mixed.sum(0) & MASK32))[:, None]
 
 
 def hash_uniform(
@@ -176,8 +164,8 @@ def hash_uniform(
     the index hash on ``[vocab]``; only one mixing round runs on ``[B, vocab]``.
     """
     index = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    index_hash = _mix32(_mix32(index ^ 0x5BD1E995))[None, :]
-    h = _mix32(_row_key(seeds, request_ids, steps) ^ index_hash)
+    index_hash = mix32(mix32(index ^ 0x5BD1E995))[None, :]
+    h = mix32(_row_key(seeds, request_ids, steps) ^ index_hash)
     return ((h >> 8).to(torch.float32) + 0.5) * (2.0**-24)
 
 

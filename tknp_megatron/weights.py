@@ -17,20 +17,9 @@ import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
 from .config import ModelPreset
+from .hashing import MASK32, mix32
 
 __all__ = ["fill_seeded_", "hash_uniform"]
-
-_M1 = 0x9E3779B1
-_MASK32 = 0xFFFFFFFF
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """32-bit avalanche (murmur3 finaliser) on int64 lanes holding uint32 values."""
-    x = x & _MASK32
-    x = (x ^ (x >> 16)) * 0x85EBCA6B & _MASK32
-    x = (x ^ (x >> 13)) * 0xC2B2AE35 & _MASK32
-    return x ^ (x >> 16)
-
 
 def hash_uniform(seed: int, index: torch.Tensor) -> torch.Tensor:
     """Uniform values in [-1, 1) from int64 element indices; same on every device.
@@ -41,10 +30,9 @@ def hash_uniform(seed: int, index: torch.Tensor) -> torch.Tensor:
     Returns:
         float32 tensor of ``index``'s shape.
     """
-    lo = index & _MASK32
-    hi = (index >> 32) & _MASK32
-    h = _mix32(lo * _M1 + (seed & _MASK32))
-    h = _mix32(h ^ _mix32(hi + 0x632BE5AB))
+    lo = index & MASK32
+    hi = (index >> 32) & MASK32
+    h = mix32(mix32(lo ^ (seed & MASK32)) ^ mix32(hi ^ 0x632BE5AB))
     return (h >> 8).to(torch.float32) * (2.0 / (1 << 24)) - 1.0
 
 
@@ -66,7 +54,7 @@ def _global_indices(st: ShardedTensor) -> torch.Tensor:
 
 
 def _key_seed(seed: int, key: str) -> int:
-    return zlib.crc32(key.encode()) ^ (seed * 0x27D4EB2F & _MASK32)
+    return zlib.crc32(key.encode()) ^ (seed * 0x27D4EB2F & MASK32)
 
 
 def _scale_shift(key: str, preset: ModelPreset) -> Tuple[float, float]:
