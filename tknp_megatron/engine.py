@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from parallel_state import TokenParallelGroups
 
+from .admission import Arrival, ArrivalQueue, request_problem
 from .attention import get_backend
 from .config import ModelPreset
 from .engine_setup import kv_cache_spec, pool_block_counts
@@ -70,17 +71,6 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
-class Arrival:
-    """A request that enters the queue ``time_s`` after the trace is released."""
-
-    time_s: float
-    prompt: tuple
-    params: SamplingParams
-    request_id: int
-    synthetic_kv: Optional[int] = None
-
-
-@dataclass(frozen=True)
 class GenerationResult:
     """How one request ended."""
 
@@ -121,8 +111,7 @@ class TKNPInferenceEngine:
         if config.cuda_graphs:
             self.executor.enable_cuda_graphs()
         self.requests: Dict[int, Request] = {}
-        self._arrivals: List[Arrival] = []  # future arrivals, latest first
-        self._release_t0 = 0.0
+        self._arrivals = ArrivalQueue(clock)  # trace replay: requests still to arrive
         self._next_id = 0
         self.peak_kv_tokens = [0] * len(self.block_counts)  # per owner, most tokens cached
         self._step = 0
@@ -193,33 +182,8 @@ class TKNPInferenceEngine:
         return rid
 
     def _problem(self, req: Request) -> Optional[str]:
-        """Why ``req`` can never be served, or None."""
-        rid, prompt, p = req.request_id, req.prompt, req.params
-        vocab, max_len = self.preset.vocab_size, self.preset.gpt.max_sequence_length
-        if not prompt:
-            return f"request {rid}: empty prompt"
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            return f"request {rid}: token id {bad[0]} outside the vocabulary [0, {vocab})"
-        problems = p.problems()
-        if problems:
-            return f"request {rid}: " + "; ".join(problems)
-        if req.reserved_tokens > max_len:
-            return (
-                f"request {rid}: prompt {len(prompt)} + max_new_tokens {p.max_new_tokens} = "
-                f"{req.reserved_tokens} tokens exceeds max_sequence_length {max_len}"
-            )
-        fit = self.scheduler.max_fit_tokens()
-        if req.reserved_tokens > fit:
-            return (
-                f"request {rid}: needs {req.reserved_tokens} KV tokens (prompt {len(prompt)} + "
-                f"max_new_tokens {p.max_new_tokens}), more than any node holds ({fit} tokens)"
-            )
-        if req.kv is not None and tuple(req.kv.shape[:3]) != (
-            self.preset.num_layers, 2, len(prompt) - 1
-        ):
-            return f"request {rid}: kv shape {tuple(req.kv.shape)} does not cover prompt[:-1]"
-        return None
+        """Why ``req`` can never be served, or None (baselines add their own limits)."""
+        return request_problem(req, self.preset, self.scheduler.max_fit_tokens())
 
     def has_unfinished_requests(self) -> bool:
         """Requests waiting or running (arrivals still to come included)."""
@@ -232,21 +196,17 @@ class TKNPInferenceEngine:
         Request release times (queue wait, completion time) count from ``t0 + time_s``.
         """
         self._require_coordinator("release_trace")
-        self._release_t0 = self.clock() if t0 is None else t0
-        self._arrivals = sorted(arrivals, key=lambda a: a.time_s, reverse=True)
+        self._arrivals.load(arrivals, self.clock() if t0 is None else t0)
         self._release_due()
 
     def _release_due(self) -> None:
-        now = self.clock()
-        while self._arrivals and self._release_t0 + self._arrivals[-1].time_s <= now:
-            a = self._arrivals.pop()
+        for a in self._arrivals.due():
             self.add_request(a.prompt, a.params, synthetic_kv=a.synthetic_kv,
-                             arrival_time=self._release_t0 + a.time_s, request_id=a.request_id)
+                             arrival_time=self._arrivals.t0 + a.time_s, request_id=a.request_id)
 
     def _wait_for_arrival(self) -> None:
         """Idle until the next arrival (nothing is queued or running)."""
-        if self._arrivals:
-            time.sleep(max(0.0, self._release_t0 + self._arrivals[-1].time_s - self.clock()))
+        self._arrivals.sleep_until_next()
         self._release_due()
 
     # ---------------------------------------------------------------- stepping
