@@ -112,6 +112,7 @@ class TKNPInferenceEngine:
             self.executor.enable_cuda_graphs()
         self.requests: Dict[int, Request] = {}
         self._arrivals = ArrivalQueue(clock)  # trace replay: requests still to arrive
+        self.resident_log: List[int] = []  # requests resident at each step (coordinator)
         self._next_id = 0
         self.peak_kv_tokens = [0] * len(self.block_counts)  # per owner, most tokens cached
         self._step = 0
@@ -252,6 +253,7 @@ class TKNPInferenceEngine:
 
     def _book_keep(self, plan: StepPlan, out: StepOutput) -> List[int]:
         now = self.clock()
+        self.resident_log.append(self.scheduler.num_running())
         finished = []
         tokens = out.tokens.tolist()  # one host sync per step, on the coordinator
         for i, (rid, q_len) in enumerate(zip(plan.request_ids.tolist(), plan.q_lens.tolist())):

@@ -55,6 +55,7 @@ class ModeRun:
     metrics: ServingMetrics
     outputs: tuple  # generated tokens per request id
     kv_capacity_tokens: tuple  # per pool, per owner
+    resident_batch_mean: float  # requests resident per step, summed over pools
 
 
 def _layout(mode: Mode, world: int, tp: int):
@@ -113,6 +114,7 @@ def _warm_up(engine, workload: Workload, vocab: int, seed: int, pools: int) -> N
         engine.release_trace(_arrivals(warm, vocab, seed, engine.groups.pool, pools))
         engine.run_until_done()
         engine.requests.clear()
+        engine.resident_log.clear()
         engine.scheduler.waves = 0
     else:
         engine.serve()
@@ -142,7 +144,8 @@ def run_mode(
             engine.run_until_done()
             mine = ([r.timeline for r in engine.requests.values()],
                     {rid: tuple(r.generated) for rid, r in engine.requests.items()},
-                    engine.scheduler.waves, tuple(engine.kv_capacity_tokens))
+                    engine.scheduler.waves, tuple(engine.kv_capacity_tokens),
+                    sum(engine.resident_log) / max(1, len(engine.resident_log)))
         else:
             engine.serve()
             mine = None
@@ -166,4 +169,5 @@ def _merge(mode: Mode, workload: Workload, parts) -> ModeRun:
         outputs.update(p[1])
     metrics = summarize(timelines, max(p[2] for p in parts))
     ordered = tuple(outputs[i] for i in sorted(outputs))
-    return ModeRun(mode, workload.name, metrics, ordered, tuple(p[3] for p in parts))
+    resident = sum(p[4] for p in parts)
+    return ModeRun(mode, workload.name, metrics, ordered, tuple(p[3] for p in parts), resident)

@@ -107,20 +107,33 @@ def worker(rank, world, args):
             run = run_mode(Mode(mode), preset, trace, config, args.tp,
                            dtype_from_name(args.dtype), device, args.seed)
             if rank == 0:
-                rows.append(_row(label, ctx, batch, rate, run))
+                rows.append(_row(label, ctx, batch, rate, run, _roofline(mode, preset, trace, world, args)))
                 m = run.metrics
                 print(f"[{len(rows)}] {label:>8} ctx={ctx} batch={batch} rate={rate}: "
                       f"{m.completion_throughput_tok_s:.1f} tok/s, waves {m.waves}", flush=True)
     return rows
 
 
-def _row(label, ctx, batch, rate, run) -> dict:
+def _roofline(mode, preset, trace, world, args):
+    """Predicted step time at a run's mean resident batch and mean context."""
+    from tknp_megatron.roofline import predicted_step_s
+
+    n = len(trace.requests)
+    context = sum(r.prompt_len + r.output_len / 2 for r in trace.requests) / n
+    return lambda batch: predicted_step_s(mode, preset, world, args.tp, batch, context)
+
+
+def _row(label, ctx, batch, rate, run, predict) -> dict:
     m = run.metrics
+    predicted = predict(run.resident_batch_mean) if run.resident_batch_mean else float("nan")
     return dict(mode=label.upper(), context=ctx, offered_batch=batch, arrival_rate=rate,
                 completion_throughput_tok_s=m.completion_throughput_tok_s,
                 queue_wait_s_mean=m.queue_wait_s_mean, itl_s_p95=m.itl_s_p95,
                 completion_time_s_mean=m.completion_time_s_mean, slo_attainment=m.slo_attainment,
                 waves=m.waves, completed=m.completed, rejected=m.rejected,
+                resident_batch_mean=run.resident_batch_mean, step_ms_measured=1e3 * m.itl_s_p50,
+                step_ms_predicted=1e3 * predicted,
+                measured_over_predicted=m.itl_s_p50 / predicted if predicted == predicted else None,
                 kv_capacity_tokens=[list(c) for c in run.kv_capacity_tokens],
                 outputs=[list(o) for o in run.outputs])
 
@@ -145,11 +158,15 @@ def report(rows, out_dir: Path) -> None:
     (out_dir / "results.json").write_text(json.dumps(dict(rows=rows, tokens_agree=agree), indent=1))
     plot_all(rows, out_dir)
     print(f"{'mode':>9} {'ctx':>6} {'batch':>5} {'rate':>6} {'tok/s':>9} {'waves':>5} "
-          f"{'queue_s':>8} {'itl95_ms':>8} {'compl_s':>8}")
+          f"{'queue_s':>8} {'itl95_ms':>8} {'compl_s':>8} {'resident':>8} {'step_ms':>8} "
+          f"{'roof_ms':>8} {'meas/roof':>9}")
     for r in rows:
+        ratio = r["measured_over_predicted"]
         print(f"{r['mode']:>9} {r['context']:>6} {r['offered_batch']:>5} {str(r['arrival_rate']):>6} "
               f"{r['completion_throughput_tok_s']:>9.1f} {r['waves']:>5} {r['queue_wait_s_mean']:>8.3f} "
-              f"{1e3 * r['itl_s_p95']:>8.2f} {r['completion_time_s_mean']:>8.3f}")
+              f"{1e3 * r['itl_s_p95']:>8.2f} {r['completion_time_s_mean']:>8.3f} "
+              f"{r['resident_batch_mean']:>8.1f} {r['step_ms_measured']:>8.2f} "
+              f"{r['step_ms_predicted']:>8.2f} {'n/a' if ratio is None else f'{ratio:.2f}':>9}")
     print("tokens agree across modes:", agree, flush=True)
 
 

@@ -1,0 +1,44 @@
+"""The roofline step-time model: calibration points, scaling, and the modes' structure."""
+
+import pytest
+
+from tknp_megatron.config import get_preset
+from tknp_megatron.roofline import H200, _dense_s, predicted_step_s
+
+L70 = get_preset("llama3.1-70b")
+
+
+def test_dense_calibration_points_and_scaling():
+    for rows, t in zip(H200.dense_rows, H200.dense_s):
+        assert _dense_s(H200, rows, H200.dense_ref_bytes) == pytest.approx(t)
+    assert _dense_s(H200, 8, H200.dense_ref_bytes) == pytest.approx(400e-6)  # weight-read bound
+    assert _dense_s(H200, 96, H200.dense_ref_bytes) == pytest.approx((478e-6 + 619e-6) / 2)
+    assert _dense_s(H200, 64, H200.dense_ref_bytes / 2) == pytest.approx(478e-6 / 2)  # TP2 slice
+
+
+@pytest.mark.parametrize("mode", ["tknp", "dp", "tp", "pp", "dcp"])
+def test_monotonic_in_batch_and_context(mode):
+    f = lambda b, c: predicted_step_s(mode, L70, 2, 1, b, c)  # noqa: E731
+    assert f(16, 32768) < f(64, 32768) < f(128, 32768)
+    assert f(64, 8192) < f(64, 32768) < f(64, 65536)
+
+
+def test_tknp_eight_layers_matches_hand_count():
+    p = L70.replace(num_layers=8)
+    kv = 2 * 2 * 32 * 32768 * 8 * 128  # one owner's K+V bytes per layer, B=64 over 2 nodes
+    exch = 2 * (21e-6 + 32 * (10240 + 8192) * 2 / 336e9)
+    logits = 478e-6 * (2 * 128256 * 8192) / H200.dense_ref_bytes
+    expected = 8 * (478e-6 + kv / 4.3e12 + exch) + logits
+    assert predicted_step_s("tknp", p, 2, 1, 64, 32768) == pytest.approx(expected)
+
+
+def test_tp_replicates_kv_past_the_kv_heads_and_dcp_does_not():
+    mqa = L70.replace(num_query_groups=1)
+    tp = predicted_step_s("tp", mqa, 2, 1, 64, 32768)
+    dcp = predicted_step_s("dcp", mqa, 2, 1, 64, 32768)
+    assert dcp < tp  # DCP reads half the sequence per GPU, TP reads all of it on both
+
+
+def test_unknown_mode_is_an_error():
+    with pytest.raises(ValueError, match="unknown mode"):
+        predicted_step_s("ep", L70, 2, 1, 8, 1024)
