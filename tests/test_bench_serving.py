@@ -25,3 +25,18 @@ def test_all_modes_one_invocation(tmp_path):
         assert r["completion_throughput_tok_s"] > 0
     for name in ("results.csv", "throughput_vs_batch.png", "latency_ctx24.png", "slo_vs_rate.png"):
         assert (out / name).stat().st_size > 100
+
+
+def test_host_work_per_step_does_not_grow_with_context():
+    """Decode-step host work must not touch cached prompts (a 32K-token copy per request)."""
+    from tknp_megatron.metrics import RequestTimeline
+    from tknp_megatron.request import Request
+    from tknp_megatron.sampling import SamplingParams
+
+    req = Request(0, list(range(32768)), SamplingParams(max_new_tokens=8), RequestTimeline(0.0))
+    req.generated = [5, 6, 7]
+    req.num_cached = 32768 + 2
+    pending = req.pending_tokens()
+    assert pending == [7]
+    req.num_cached = 32760  # mid-prefill: the rest of the prompt, then the generated tokens
+    assert req.pending_tokens() == list(range(32760, 32768)) + [5, 6, 7]

@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
+import torch
+
 from .config import ModelPreset
 from .request import Request
 from .sampling import SamplingParams
@@ -27,9 +29,11 @@ def request_problem(req: Request, preset: ModelPreset, max_fit_tokens: int) -> O
     vocab, max_len = preset.vocab_size, preset.gpt.max_sequence_length
     if not prompt:
         return f"request {rid}: empty prompt"
-    bad = [t for t in prompt if not 0 <= t < vocab]
-    if bad:
-        return f"request {rid}: token id {bad[0]} outside the vocabulary [0, {vocab})"
+    ids = torch.as_tensor(prompt, dtype=torch.int64)
+    outside = (ids < 0) | (ids >= vocab)
+    if bool(outside.any()):
+        bad = int(ids[outside][0])
+        return f"request {rid}: token id {bad} outside the vocabulary [0, {vocab})"
     problems = p.problems()
     if problems:
         return f"request {rid}: " + "; ".join(problems)

@@ -61,8 +61,15 @@ class Request:
         return self.kv is not None or self.synthetic_kv is not None
 
     def pending_tokens(self) -> List[int]:
-        """Tokens to feed this step: every token whose KV is not cached yet."""
-        return (self.prompt + self.generated)[self.num_cached :]
+        """Tokens to feed this step: every token whose KV is not cached yet.
+
+        Built without copying the prompt once it is cached (a decode step of a 128K-token
+        request must not touch its prompt on the host).
+        """
+        cached, prompt_len = self.num_cached, len(self.prompt)
+        if cached >= prompt_len:
+            return self.generated[cached - prompt_len :]
+        return self.prompt[cached:] + self.generated
 
     def finished(self) -> bool:
         """Reached max new tokens or produced the end-of-sequence id."""

@@ -137,10 +137,11 @@ def run_mode(
     try:
         engine = _engine(mode, preset, groups, config, dtype, device, seed)
         _warm_up(engine, workload, preset.vocab_size, seed, pools)
+        arrivals = _arrivals(workload, preset.vocab_size, seed, groups.pool, pools)
         dist.barrier()
         t0 = time.perf_counter()  # one clock for every process on the host
         if groups.is_coordinator:
-            engine.release_trace(_arrivals(workload, preset.vocab_size, seed, groups.pool, pools), t0)
+            engine.release_trace(arrivals, t0)
             engine.run_until_done()
             mine = ([r.timeline for r in engine.requests.values()],
                     {rid: tuple(r.generated) for rid, r in engine.requests.items()},
