@@ -27,8 +27,8 @@ def test_all_modes_one_invocation(tmp_path):
         assert (out / name).stat().st_size > 100
 
 
-def test_host_work_per_step_does_not_grow_with_context():
-    """Decode-step host work must not touch cached prompts (a 32K-token copy per request)."""
+def test_pending_tokens_skip_the_cached_prompt():
+    """A decode step feeds only uncached tokens, without rebuilding prompt + generated."""
     from tknp_megatron.metrics import RequestTimeline
     from tknp_megatron.request import Request
     from tknp_megatron.sampling import SamplingParams
