@@ -341,7 +341,8 @@ class TKNPInferenceEngine:
         """Serving metrics over every request submitted so far (coordinator)."""
         self._require_coordinator("metrics")
         timelines = [r.timeline for r in self.requests.values()]
-        return summarize(timelines, self.scheduler.waves, self.scheduler.reserved_fraction())
+        peak = [p / max(1, c) for p, c in zip(self.peak_kv_tokens, self.kv_capacity_tokens)]
+        return summarize(timelines, self.scheduler.waves, peak)  # KV use: peak fraction per node
 
     # ---------------------------------------------------------------- helpers
     def _broadcast(self, box: list) -> None:
