@@ -151,7 +151,7 @@ class StageModel(MegatronModule):
         self.post_process = post_process
         self.padded_vocab_size = padded_vocab_size
         if preset.gpt.share_embeddings_and_output_weights:
-            raise NotImplementedError(
+            raise ValueError(
                 "tied embeddings: the first and last blocks sit on different nodes; "
                 "untie the output layer when converting the checkpoint"
             )

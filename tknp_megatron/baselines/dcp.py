@@ -181,7 +181,7 @@ class DCPExecutor:
         self.local_ingest = {}  # external KV is not supported; kept for the engine's surface
 
     def enable_cuda_graphs(self) -> None:
-        raise NotImplementedError("DCP baseline: CUDA graphs are not implemented")
+        raise ValueError("the DCP baseline runs eagerly: set EngineConfig.cuda_graphs=False")
 
     @torch.no_grad()
     def execute(self, plan: StepPlan, timer=None) -> StepOutput:
@@ -200,7 +200,8 @@ class DCPExecutor:
             if not adm.ingest_len:
                 continue
             if adm.synthetic_seed is None:
-                raise NotImplementedError("DCP baseline: external KV ingest is not implemented")
+                # unreachable: DCPInferenceEngine._problem refuses outside KV at add_request
+                raise ValueError(f"request {adm.request_id}: the DCP baseline takes outside KV only as synthetic_kv")
             # this shard's positions p = shard, shard + D, ... < ingest_len, its KV head
             positions = torch.arange(self.dcp.shard, adm.ingest_len, self.dcp.degree)
             self.kv.ingest(adm.slot, synthetic_kv(
