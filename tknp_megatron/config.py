@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional
+from dataclasses import dataclass
+from typing import Callable, Dict
 
 import torch
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Deque, List, Optional, Sequence, Tuple
+from typing import Callable, Deque, List, Sequence, Tuple
 
 from .kv_cache import BlockAllocator
 from .plan import Admission
