@@ -42,11 +42,12 @@ class OwnerAttention:
         rows = qkv.shape[0]
         per_group = self.heads // self.kv_heads
         mixed = qkv.view(rows, self.kv_heads, per_group + 2, self.head_dim)
-        q = mixed[:, :, :per_group].reshape(rows, self.heads, self.head_dim)
-        k = mixed[:, :, per_group]
+        # one RoPE call rotates each group's query heads and its key head together
+        qk = mixed[:, :, : per_group + 1].reshape(rows, self.kv_heads * (per_group + 1), self.head_dim)
+        qk = self.rope.apply(qk, inp.freqs).view(rows, self.kv_heads, per_group + 1, self.head_dim)
+        q = qk[:, :, :per_group].reshape(rows, self.heads, self.head_dim)
+        k = qk[:, :, per_group]
         v = mixed[:, :, per_group + 1]
-        q = self.rope.apply(q, inp.freqs)
-        k = self.rope.apply(k, inp.freqs)
         self.kv.write(cache_layer, k, v, inp.slot_mapping)
         k_cache, v_cache = self.kv.layer(cache_layer)
         out = self.backend.forward(q, k_cache, v_cache, inp.meta, self.scale)

@@ -23,7 +23,7 @@ from ..attention import get_backend
 from ..dense import finish_layer, qkv_projection, vocab_logits
 from ..engine import TKNPInferenceEngine
 from ..engine_setup import kv_cache_spec, pool_block_counts
-from ..executor import draw_tokens
+from ..executor import StepOutput, draw_tokens
 from ..kv_cache import PagedKVCache
 from ..owner_attention import OwnerAttention
 from ..plan import STOP_PLAN, StepPlan, build_plan
@@ -261,6 +261,4 @@ class PPInferenceEngine(TKNPInferenceEngine):
             if plan.record_logits:
                 logits = torch.empty(n, self.preset.vocab_size, dtype=torch.float32, device=self.device)
                 dist.recv(logits, src)
-        from ..executor import StepOutput
-
         self._book_keep(plan, StepOutput(tokens, logits if plan.record_logits else None))
