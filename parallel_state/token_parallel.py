@@ -32,7 +32,10 @@ class TokenParallelGroups:
         tknp_group: the N ranks sharing ``tp_rank``, ordered by node.
         pool: this rank's pool (0 unless the world holds several).
         num_pools: pools in the world.
-        pool_group: the N x T ranks of this pool (step-plan broadcasts).
+        pool_group: the N x T ranks of this pool (token broadcasts, device tensors).
+        pool_cpu_group: the same ranks over gloo: step plans travel host to host, so a
+            rank receives the next plan without waiting for its GPU (on CPU runs it is
+            ``pool_group`` itself).
     """
 
     num_nodes: int
@@ -44,6 +47,7 @@ class TokenParallelGroups:
     pool: int = 0
     num_pools: int = 1
     pool_group: Optional[dist.ProcessGroup] = None
+    pool_cpu_group: Optional[dist.ProcessGroup] = None
 
     @property
     def pool_size(self) -> int:
@@ -111,7 +115,8 @@ def initialize_model_parallel(
     mpu.initialize_model_parallel(tensor_model_parallel_size=t, **megatron_kwargs)
     rank = dist.get_rank()
     size = n * t
-    tknp_group = pool_group = None
+    tknp_group = pool_group = pool_cpu_group = None
+    host_backend = dist.get_backend() == "gloo"
     for pool in range(num_pools):  # every rank creates every group, in the same order
         for tp_rank in range(t):
             ranks = [pool * size + node * t + tp_rank for node in range(n)]
@@ -120,8 +125,9 @@ def initialize_model_parallel(
                 tknp_group = group
         ranks = list(range(pool * size, (pool + 1) * size))
         group = dist.new_group(ranks) if num_pools > 1 else dist.group.WORLD
+        cpu_group = group if host_backend else dist.new_group(ranks, backend="gloo")
         if rank in ranks:
-            pool_group = group
+            pool_group, pool_cpu_group = group, cpu_group
     _GROUPS = TokenParallelGroups(
         num_nodes=n,
         tp_size=t,
@@ -132,6 +138,7 @@ def initialize_model_parallel(
         pool=rank // size,
         num_pools=num_pools,
         pool_group=pool_group,
+        pool_cpu_group=pool_cpu_group,
     )
     return _GROUPS
 
@@ -176,5 +183,7 @@ def destroy_model_parallel() -> None:
         dist.destroy_process_group(_GROUPS.tknp_group)
         if _GROUPS.num_pools > 1:
             dist.destroy_process_group(_GROUPS.pool_group)
+        if _GROUPS.pool_cpu_group is not _GROUPS.pool_group:
+            dist.destroy_process_group(_GROUPS.pool_cpu_group)
     _GROUPS = None
     mpu.destroy_model_parallel()

@@ -25,6 +25,14 @@ def test_all_modes_one_invocation(tmp_path):
         assert r["completion_throughput_tok_s"] > 0
     for name in ("results.csv", "throughput_vs_batch.png", "latency_ctx24.png", "slo_vs_rate.png"):
         assert (out / name).stat().st_size > 100
+    # a run cut short keeps its finished rows; --report-only rebuilds the report from them
+    partial = (out / "partial.jsonl").read_text().splitlines()
+    assert len(partial) == len(result["rows"])
+    (out / "results.json").unlink()
+    redo = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_serving.py"), "--report-only",
+                           "--out", str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert redo.returncode == 0, redo.stderr[-3000:]
+    assert json.loads((out / "results.json").read_text())["rows"] == result["rows"]
 
 
 def test_pending_tokens_skip_the_cached_prompt():

@@ -4,19 +4,34 @@ Greedy tokens must match exactly and logits within 1e-4 for W = 2 with an MQA ti
 (D = 2), and W = 4 with Hkv = 2 (D = 2) and Hkv = 1 (D = 4); mixed prompt lengths go
 through the same path (prefill), requests finish mid-batch, and a tight KV budget forces
 admission waves. Unit tests: partial attention over cyclic shards merged with LSE equals
-full attention; the DCP QKV module holds exactly its rows of Megatron's fused weight.
+full attention; the Triton decode path equals the torch partial attention per shard; the
+DCP QKV module holds exactly its rows of Megatron's fused weight.
+
+TRITON_INTERPRET=1 is set before anything imports ``triton`` (as in
+``test_attention_triton``), so where ``triton`` is installed the end-to-end runs' decode
+steps also take the Triton path, in the interpreter (spawned workers inherit it).
 """
 
 from __future__ import annotations
 
-import pytest
-import torch
+import importlib
+import os
+import sys
 
-from tknp_megatron.attention.torch_ref import attend_one_request
-from tknp_megatron.baselines.dcp_attention import ShardMetadata, merge_partials, partial_attention
-from tknp_megatron.launch import spawn
-from tests.dcp_workers import DCPCase, dcp_worker, reference_worker
-from tests.tknp_workers import Scenario
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tknp_megatron.attention.torch_ref import attend_one_request  # noqa: E402
+from tknp_megatron.attention.triton_paged import TritonConfig  # noqa: E402
+from tknp_megatron.baselines import dcp_attention  # noqa: E402
+from tknp_megatron.baselines.dcp_attention import (  # noqa: E402
+    ShardMetadata, merge_partials, partial_attention, partial_attention_triton, triton_decode_usable,
+)
+from tknp_megatron.launch import spawn  # noqa: E402
+from tests.dcp_workers import DCPCase, dcp_worker, reference_worker  # noqa: E402
+from tests.tknp_workers import Scenario  # noqa: E402
 
 SEED = 5
 CASES = [
@@ -79,6 +94,80 @@ def test_lse_merge_equals_full_attention(degree):
         merged = merge_partials(torch.stack(outs), torch.stack(lses))
         assert torch.isfinite(merged).all()
         torch.testing.assert_close(merged, expected, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- unit: Triton decode path
+def _decode_shard(ks, vs, shard, degree, block_size, gen):
+    """Shard ``shard`` of a decode step over requests with contexts ``ks``, ``vs`` (each
+    ``[L_r, Hkv, d]``): one shared cache whose blocks are dealt out shuffled (unowned
+    slots NaN), and the step's :class:`ShardMetadata` (row r = request r's last token)."""
+    local = [k[shard::degree].shape[0] for k in ks]
+    per_req = [-(-n // block_size) for n in local]
+    n_blocks = sum(per_req) + 2
+    order = torch.randperm(n_blocks, generator=gen)
+    k_cache = torch.full((n_blocks, block_size) + tuple(ks[0].shape[1:]), float("nan"))
+    v_cache = k_cache.clone()
+    table = torch.zeros(len(ks), max(max(per_req), 1), dtype=torch.int32)
+    first = 0
+    for r, (k, v) in enumerate(zip(ks, vs)):
+        blocks = order[first : first + per_req[r]]
+        first += per_req[r]
+        table[r, : len(blocks)] = blocks.to(torch.int32)
+        for i in range(local[r]):
+            b, o = blocks[i // block_size], i % block_size
+            k_cache[b, o], v_cache[b, o] = k[shard + i * degree], v[shard + i * degree]
+    meta = ShardMetadata(
+        row_request=torch.arange(len(ks)), positions=torch.tensor([k.shape[0] - 1 for k in ks]),
+        local_lens=torch.tensor(local), block_table=table, max_local_len=max(local), shard=shard,
+        degree=degree,
+    )
+    return k_cache, v_cache, meta
+
+
+@pytest.fixture(scope="module")
+def interpreted_kernels():
+    """The kernels decorated under the interpreter (reloaded if imported without it)."""
+    pytest.importorskip("triton")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    module = sys.modules.get("tknp_megatron.attention.triton_kernels")
+    if module is not None and not isinstance(module._paged_attn_kernel, InterpretedFunction):
+        importlib.reload(module)
+    yield
+
+
+@pytest.mark.parametrize("degree", [2, 3])
+@pytest.mark.parametrize("splits", [None, 3], ids=["heuristic", "3splits"])
+def test_triton_decode_matches_partial_attention(interpreted_kernels, monkeypatch, degree, splits):
+    """Every shard's (out, lse) equals the torch reference, empty shards give (0, -inf),
+    and the shards merged equal full attention."""
+    assert triton_decode_usable(torch.device("cpu"))
+    if splits is not None:  # several splits, some of them empty
+        monkeypatch.setattr(dcp_attention, "_TRITON", TritonConfig(num_splits=splits, block_n=16))
+    gen = torch.Generator().manual_seed(10 + degree)
+    heads, d, block, scale = 4, 16, 4, 16 ** -0.5
+    lens = [1, 2, 9, 37, 22]  # L = 1, 2: some shards hold nothing for that request
+    ks = [torch.randn(n, 1, d, generator=gen) for n in lens]
+    vs = [torch.randn(n, 1, d, generator=gen) for n in lens]
+    q = torch.randn(len(lens), heads, d, generator=gen)
+    outs, lses = [], []
+    for j in range(degree):
+        k_cache, v_cache, meta = _decode_shard(ks, vs, j, degree, block, gen)
+        out, lse = partial_attention_triton(q, k_cache, v_cache, meta, scale)
+        ref_out, ref_lse = partial_attention(q, k_cache, v_cache, meta, scale)
+        assert out.dtype == lse.dtype == torch.float32
+        empty = meta.local_lens == 0
+        assert empty.any() == (j > 0)
+        assert torch.equal(torch.isneginf(lse), empty[:, None].expand_as(lse))
+        assert torch.equal(torch.isneginf(ref_lse), torch.isneginf(lse))
+        torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(lse[~empty], ref_lse[~empty], atol=1e-4, rtol=1e-4)
+        assert (out[empty] == 0).all()
+        outs.append(out)
+        lses.append(lse)
+    merged = merge_partials(torch.stack(outs), torch.stack(lses))
+    expected = torch.cat([attend_one_request(q[r : r + 1], ks[r], vs[r], scale) for r in range(len(lens))])
+    torch.testing.assert_close(merged, expected, atol=1e-4, rtol=1e-4)
 
 
 # ---------------------------------------------------------------- end to end

@@ -25,13 +25,15 @@ class Scenario:
     block_size: int = 4
     extra_bad: bool = False  # append invalid requests
     graphs: bool = False  # bucketed, padded decode path (what CUDA graphs replay)
+    eos_id: Optional[int] = None
 
 
 def params_for(s: Scenario):
     from tknp_megatron.sampling import SamplingParams
 
     return [
-        SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, max_new_tokens=m, seed=7)
+        SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, max_new_tokens=m,
+                       seed=7, eos_id=s.eos_id)
         for m in s.max_new
     ]
 
@@ -171,6 +173,9 @@ def _scenarios():
         Scenario("llama-sampled", "tiny", mixed[:6], max_new[:6], kv_tokens_per_node=96,
                  temperature=0.8, top_k=40, top_p=0.9),
         Scenario("llama-graph-path", "tiny", mixed, max_new, kv_tokens_per_node=40, graphs=True),
+        # token 76 is EOS: two requests end on it mid-decode (the reference's greedy tokens
+        # of this scenario contain it at steps 2 and 5), while their next step is queued
+        Scenario("llama-eos", "tiny", mixed, max_new, kv_tokens_per_node=40, eos_id=76),
         Scenario("llama-bad-input", "tiny", few, (4, 4, 4), kv_tokens_per_node=64, extra_bad=True),
     ]
 

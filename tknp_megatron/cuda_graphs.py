@@ -13,10 +13,11 @@ padding and bucketing without a GPU.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
+from .host_to_device import to_device
 from .plan import StepPlan
 from .step_inputs import StepInputs, StepShape, pad_plan, prepare_inputs
 
@@ -43,14 +44,18 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.captured: Dict[StepShape, _Captured] = {}
 
-    def run(self, plan: StepPlan) -> torch.Tensor:
-        """Replay (capturing on first sight) the step of a pure-decode ``plan``: ``[R]`` tokens."""
+    def run(self, plan: StepPlan, last_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Replay (capturing on first sight) the step of a pure-decode ``plan``: ``[R]`` tokens.
+
+        ``last_tokens``: the previous step's tokens, for rows the plan feeds from them.
+        """
         ex = self.ex
         padded, index = pad_plan(plan, ex.kv.dummy_slot)
-        inputs = prepare_inputs(padded, ex.node, ex.kv, ex.rope, ex.device, self.max_seq_len)
+        inputs = prepare_inputs(padded, ex.node, ex.kv, ex.rope, ex.device, self.max_seq_len, last_tokens)
+        (index,) = to_device((index,), ex.device)
         if not self.capture:
             tokens, _ = ex.forward(inputs)
-            return tokens.index_select(0, index.to(ex.device))
+            return tokens.index_select(0, index)
         entry = self.captured.get(inputs.shape)
         if entry is None:
             entry = self._capture(inputs)
@@ -58,7 +63,7 @@ class DecodeGraphs:
         else:
             entry.inputs.copy_(inputs)
         entry.graph.replay()
-        return entry.tokens.index_select(0, index.to(ex.device))
+        return entry.tokens.index_select(0, index)
 
     def _capture(self, inputs: StepInputs) -> _Captured:
         """Warm up on a side stream (compiles kernels, starts communicators), then capture."""

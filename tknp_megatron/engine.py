@@ -2,8 +2,16 @@
 
 Every rank constructs the engine. The pool's first rank (the coordinator) holds the waiting
 queue and the scheduler; each :meth:`step` it admits what fits, builds a
-:class:`~tknp_megatron.plan.StepPlan`, broadcasts it, and runs its own part of the step;
-the other ranks run the same plan from :meth:`serve` (or from :meth:`step`, in lockstep).
+:class:`~tknp_megatron.plan.StepPlan`, broadcasts it (host to host, over the pool's gloo
+group), and queues its own part of the step on the GPU; the other ranks run the same
+plan from :meth:`serve` (or from :meth:`step`, in lockstep).
+
+Scheduling overlaps the GPU (a departure from DESIGN section 7, step 6): a step's tokens are read back and booked
+only after the next step has been queued, so the host plans step n + 1 while step n
+runs. Requests fed in step n + 1 take their step-n token on the device. A request that
+ends with its end-of-sequence token at step n is already in step n + 1; that step's row
+for it is discarded (its KV write lands in its own, just-freed blocks, before any later
+admission's writes in stream order).
 Names follow Megatron-Core's inference engines where they overlap (``add_request``,
 ``step``, ``generate``, ``has_unfinished_requests``).
 """
@@ -116,6 +124,7 @@ class TKNPInferenceEngine:
         self._next_id = 0
         self.peak_kv_tokens = [0] * len(self.block_counts)  # per owner, most tokens cached
         self._step = 0
+        self._inflight: Optional[tuple] = None  # (plan, output) queued but not yet booked
         self.scheduler = None
         if groups.is_coordinator:
             allocators = [BlockAllocator(n, config.block_size) for n in self.block_counts]
@@ -187,9 +196,10 @@ class TKNPInferenceEngine:
         return request_problem(req, self.preset, self.scheduler.max_fit_tokens())
 
     def has_unfinished_requests(self) -> bool:
-        """Requests waiting or running (arrivals still to come included)."""
+        """Requests waiting or running (arrivals still to come and a step whose tokens are
+        not yet booked included)."""
         self._require_coordinator("has_unfinished_requests")
-        return self.scheduler.has_work() or bool(self._arrivals)
+        return self.scheduler.has_work() or bool(self._arrivals) or self._inflight is not None
 
     def release_trace(self, arrivals: Sequence[Arrival], t0: Optional[float] = None) -> None:
         """Coordinator: submit each arrival once ``t0 + time_s`` has passed (trace replay).
@@ -212,24 +222,29 @@ class TKNPInferenceEngine:
 
     # ---------------------------------------------------------------- stepping
     def step(self) -> List[int]:
-        """Run one step. Coordinator: schedule, broadcast, execute, book-keep; returns the
-        ids of requests that finished. Other ranks: run the next broadcast plan."""
+        """Run one step. Coordinator: schedule, broadcast and queue this step, then book the
+        previous one; returns the ids of requests that finished in it. Other ranks: run
+        the next broadcast plan."""
         if not self.groups.is_coordinator:
             self._follow()
             return []
         self._release_due()
         result = self.scheduler.schedule()
-        if not result.batch:
-            return []
-        plan = build_plan(
-            self._step, result.batch, result.admissions, len(self.block_counts),
-            self.config.record_logits,
-        )
-        self._step += 1
-        self._broadcast([plan])
-        self._send_ingested_kv(plan)
-        out = self.executor.execute(plan)
-        return self._book_keep(plan, out)
+        queued = None
+        if result.batch:
+            plan = build_plan(
+                self._step, result.batch, result.admissions, len(self.block_counts),
+                self.config.record_logits,
+            )
+            self._step += 1
+            self._broadcast([plan])
+            self._send_ingested_kv(plan)
+            queued = (plan, self.executor.execute(plan))
+        finished = self._book_keep(*self._inflight) if self._inflight else []
+        self._inflight = queued
+        if queued is not None:
+            _mark_in_flight(queued[0], self.requests)
+        return finished
 
     def _follow(self) -> bool:
         """Receive and run one plan; False when it is the stop plan."""
@@ -252,12 +267,16 @@ class TKNPInferenceEngine:
         self._broadcast([STOP_PLAN(self.groups.num_nodes)])
 
     def _book_keep(self, plan: StepPlan, out: StepOutput) -> List[int]:
+        """Read a step's tokens (the coordinator's one host sync per step) and book them."""
+        tokens = out.tokens.tolist()
         now = self.clock()
         self.resident_log.append(self.scheduler.num_running())
         finished = []
-        tokens = out.tokens.tolist()  # one host sync per step, on the coordinator
         for i, (rid, q_len) in enumerate(zip(plan.request_ids.tolist(), plan.q_lens.tolist())):
             req = self.requests[rid]
+            req.inflight_rows = 0
+            if req.status is RequestStatus.COMPLETED:  # ended by EOS one step earlier
+                continue
             req.num_cached += q_len
             req.generated.append(tokens[i])
             if out.logits is not None:
@@ -324,7 +343,7 @@ class TKNPInferenceEngine:
     def run_until_done(self) -> None:
         """Coordinator: step until every submitted request has ended, then stop the pool."""
         while self.has_unfinished_requests():
-            if not self.scheduler.has_work():
+            if not self.scheduler.has_work() and self._inflight is None:
                 self._wait_for_arrival()
             self.step()
         self.shutdown()
@@ -346,14 +365,17 @@ class TKNPInferenceEngine:
 
     # ---------------------------------------------------------------- helpers
     def _broadcast(self, box: list) -> None:
-        """Broadcast picklable objects from the coordinator to the pool."""
-        dist.broadcast_object_list(
-            box,
-            src=self.groups.coordinator_rank,
-            group=self.groups.pool_group,
-            device=self.device if self.device.type == "cuda" else None,
-        )
+        """Broadcast picklable objects from the coordinator to the pool, host to host
+        (gloo): no rank waits for its GPU to receive a plan."""
+        dist.broadcast_object_list(box, src=self.groups.coordinator_rank, group=self.groups.pool_cpu_group)
 
     def _require_coordinator(self, what: str) -> None:
         if not self.groups.is_coordinator:
             raise RuntimeError(f"{what} is for the pool's coordinator (its first rank)")
+
+
+def _mark_in_flight(plan: StepPlan, requests: Dict[int, Request]) -> None:
+    """Record, per request of a queued step, its rows and its index in the step's tokens."""
+    for i, (rid, q_len) in enumerate(zip(plan.request_ids.tolist(), plan.q_lens.tolist())):
+        req = requests[rid]
+        req.inflight_rows, req.inflight_index = q_len, i

@@ -89,6 +89,7 @@ class TKNPExecutor:
         self.last_root = placement.root_of_layer(placement.num_layers - 1)
         self.local_ingest = {}  # request id -> KV the coordinator keeps for itself
         self.graphs = None  # set by enable_cuda_graphs
+        self.last_tokens: Optional[torch.Tensor] = None  # [R] previous step's tokens (device)
 
     def enable_cuda_graphs(self) -> None:
         """Replay pure-decode steps from CUDA graphs (per ownership-layout bucket).
@@ -102,14 +103,21 @@ class TKNPExecutor:
     # ---------------------------------------------------------------- step
     @torch.no_grad()
     def execute(self, plan: StepPlan, timer: Optional[PhaseTimer] = None) -> StepOutput:
-        """Run ``plan`` on this rank; every rank returns the same :class:`StepOutput`."""
+        """Run ``plan`` on this rank; every rank returns the same :class:`StepOutput`.
+
+        Nothing here waits for the GPU: the returned tokens are still being computed
+        when it returns (the engine reads them after queueing the next step).
+        """
         self.apply_admissions(plan.admissions)
         use_graph = self.graphs is not None and timer is None and not plan.record_logits
         if use_graph and plan.max_query_len == 1:
-            return StepOutput(self.graphs.run(plan))
-        inputs = prepare_inputs(plan, self.node, self.kv, self.rope, self.device)
-        tokens, logits = self.forward(inputs, plan.record_logits, timer)
-        return StepOutput(tokens, logits)
+            out = StepOutput(self.graphs.run(plan, self.last_tokens))
+        else:
+            inputs = prepare_inputs(plan, self.node, self.kv, self.rope, self.device,
+                                    last_tokens=self.last_tokens)
+            out = StepOutput(*self.forward(inputs, plan.record_logits, timer))
+        self.last_tokens = out.tokens
+        return out
 
     def forward(self, inp: StepInputs, record_logits: bool = False, timer=None):
         """The layer loop and sampling over prepared inputs: ``(tokens [R], logits | None)``."""
@@ -144,7 +152,7 @@ class TKNPExecutor:
             heads = range(self.groups.tp_rank * g, (self.groups.tp_rank + 1) * g)
             return synthetic_kv(
                 adm.synthetic_seed, range(self.placement.num_layers),
-                torch.arange(adm.ingest_len), heads, g * self.groups.tp_size, self.head_dim,
+                torch.arange(adm.ingest_len, device=self.device), heads, g * self.groups.tp_size, self.head_dim,
                 self.kv.spec.dtype, self.device,
             )
         if adm.request_id in self.local_ingest:  # the coordinator owns it

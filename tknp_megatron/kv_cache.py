@@ -16,6 +16,8 @@ from typing import Deque, List, Sequence
 
 import torch
 
+from .host_to_device import to_device
+
 __all__ = ["OutOfBlocks", "BlockAllocator", "KVCacheSpec", "PagedKVCache"]
 
 
@@ -178,8 +180,8 @@ class PagedKVCache:
             raise ValueError(
                 f"{len(blocks)} blocks exceed the block-table width {self.spec.max_blocks_per_seq}"
             )
-        row = torch.tensor(list(blocks), dtype=torch.int32)
-        self.block_table[slot, : len(blocks)].copy_(row)
+        (row,) = to_device((torch.tensor(list(blocks), dtype=torch.int32),), self.block_table.device)
+        self.block_table[slot, : len(blocks)].copy_(row)  # stream-ordered, no host wait
 
     def slot_mapping(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat cache slot of each row: ``[rows]`` slots and positions -> ``[rows]`` int64."""

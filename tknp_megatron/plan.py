@@ -2,6 +2,12 @@
 
 Requests are in batch order, grouped by owner node (node 0's first), so each owner's rows
 are one contiguous slice and the root's gather is a concatenation in batch order.
+
+Plans are built one step ahead (overlapped scheduling, as in vLLM's async scheduler;
+DESIGN section 7 books every step before planning the next): while step n runs on the
+GPUs the coordinator plans step n + 1 before it has read step n's tokens.
+A request whose step-n token is still in flight is fed that token on the device:
+``prev_token_index`` points at its row of step n's output, which every rank holds.
 """
 
 from __future__ import annotations
@@ -45,7 +51,10 @@ class StepPlan:
     this step: prompt length for prefill, 1 for decode), ``start_pos`` (tokens already
     cached), and the sampling tensors ``temperature``, ``top_k``, ``top_p``, ``seeds``,
     ``sample_steps`` (index of the token being generated). ``tokens`` is ``[rows]`` with
-    rows = sum(q_lens). ``requests_per_owner`` / ``rows_per_owner`` are per node.
+    rows = sum(q_lens). ``prev_token_index`` is None when every input token is in
+    ``tokens``; otherwise ``[rows]``: the index into the previous step's sampled tokens
+    (batch order) of the row's input token, or -1 to take ``tokens``' entry.
+    ``requests_per_owner`` / ``rows_per_owner`` are per node.
     """
 
     step: int
@@ -64,6 +73,7 @@ class StepPlan:
     rows_per_owner: Tuple[int, ...]
     record_logits: bool = False
     stop: bool = False
+    prev_token_index: Optional[torch.Tensor] = None
 
     @property
     def num_requests(self) -> int:
@@ -106,9 +116,14 @@ def build_plan(
     num_nodes: int,
     record_logits: bool = False,
 ) -> StepPlan:
-    """Plan for ``batch``; requests are reordered so each owner's rows are contiguous."""
+    """Plan for ``batch``; requests are reordered so each owner's rows are contiguous.
+
+    A request with a step in flight (``inflight_rows > 0``) is fed its in-flight token
+    from the device (one row, ``prev_token_index``); the others are fed their pending
+    host tokens.
+    """
     batch = sorted(batch, key=lambda r: r.owner)  # stable: keeps admission order per owner
-    pending = [r.pending_tokens() for r in batch]
+    pending = [_PREV if r.inflight_rows else r.pending_tokens() for r in batch]
     per_owner = [0] * num_nodes
     rows_owner = [0] * num_nodes
     for r, toks in zip(batch, pending):
@@ -116,20 +131,30 @@ def build_plan(
         rows_owner[r.owner] += len(toks)
     longs = lambda xs: torch.tensor(list(xs), dtype=torch.int64)  # noqa: E731
     floats = lambda xs: torch.tensor(list(xs), dtype=torch.float32)  # noqa: E731
+    prev = None
+    if any(r.inflight_rows for r in batch):
+        prev = longs(
+            i for r, toks in zip(batch, pending)
+            for i in ((r.inflight_index,) if r.inflight_rows else (-1,) * len(toks))
+        )
     return StepPlan(
         step=step,
         admissions=tuple(admissions),
         request_ids=longs(r.request_id for r in batch),
         slots=longs(r.slot for r in batch),
         q_lens=longs(len(t) for t in pending),
-        start_pos=longs(r.num_cached for r in batch),
+        start_pos=longs(r.num_cached + r.inflight_rows for r in batch),
         tokens=longs(t for toks in pending for t in toks),
         temperature=floats(r.params.temperature for r in batch),
         top_k=longs(r.params.top_k for r in batch),
         top_p=floats(r.params.top_p for r in batch),
         seeds=longs(r.params.seed for r in batch),
-        sample_steps=longs(len(r.generated) for r in batch),
+        sample_steps=longs(len(r.generated) + (r.inflight_rows > 0) for r in batch),
         requests_per_owner=tuple(per_owner),
         rows_per_owner=tuple(rows_owner),
         record_logits=record_logits,
+        prev_token_index=prev,
     )
+
+
+_PREV = (0,)  # placeholder host token of a row fed from the previous step's output

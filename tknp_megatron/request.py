@@ -31,6 +31,9 @@ class Request:
         blocks: KV blocks reserved on the owner.
         generated: generated token ids.
         num_cached: tokens whose KV is already in the owner's cache.
+        inflight_rows: rows of the request's step that is running but not yet booked
+            (0: none); its KV then covers ``num_cached + inflight_rows`` tokens.
+        inflight_index: the request's row in that step's sampled tokens.
         logits: per generated token, the full-vocabulary logits (only if recorded).
     """
 
@@ -45,6 +48,8 @@ class Request:
     blocks: List[int] = field(default_factory=list)
     generated: List[int] = field(default_factory=list)
     num_cached: int = 0
+    inflight_rows: int = 0
+    inflight_index: int = -1
     logits: List[torch.Tensor] = field(default_factory=list)
 
     @property
@@ -70,6 +75,10 @@ class Request:
         if cached >= prompt_len:
             return self.generated[cached - prompt_len :]
         return self.prompt[cached:] + self.generated
+
+    def needs_step(self) -> bool:
+        """Tokens remain to be scheduled (the in-flight one counted as generated)."""
+        return len(self.generated) + (self.inflight_rows > 0) < self.params.max_new_tokens
 
     def finished(self) -> bool:
         """Reached max new tokens or produced the end-of-sequence id."""

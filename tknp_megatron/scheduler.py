@@ -129,7 +129,9 @@ class Scheduler:
         )
 
     def schedule(self) -> ScheduleResult:
-        """Admit what fits (FCFS), then return this step's batch."""
+        """Admit what fits (FCFS), then return this step's batch: every running request
+        with tokens still to schedule (one whose last token is in flight waits for
+        its booking to leave ``running``)."""
         admitted, admissions = [], []
         budget = self.config.max_prefill_tokens
         while self.waiting:
@@ -149,7 +151,7 @@ class Scheduler:
             admissions.append(self._admit(request, node))
             admitted.append(request)
             budget -= cost
-        batch = tuple(r for reqs in self.running for r in reqs)
+        batch = tuple(r for reqs in self.running for r in reqs if r.needs_step())
         return ScheduleResult(tuple(admitted), tuple(admissions), batch)
 
     def finish(self, request: Request) -> None:

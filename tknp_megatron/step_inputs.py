@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
 from .attention import AttentionMetadata
+from .host_to_device import to_device
 from .kv_cache import PagedKVCache
 from .plan import StepPlan
 from .rope import Rope
 from .sampling import SamplingTensors
 
-__all__ = ["StepInputs", "StepShape", "prepare_inputs", "plan_sampling", "pad_plan", "bucket"]
+__all__ = [
+    "StepInputs", "StepShape", "prepare_inputs", "plan_sampling", "step_tokens", "pad_plan", "bucket",
+]
 
 
 @dataclass(frozen=True)
@@ -79,11 +82,15 @@ def prepare_inputs(
     rope: Rope,
     device: torch.device,
     max_seq_len: int = 0,
+    last_tokens: Optional[torch.Tensor] = None,
 ) -> StepInputs:
-    """Build this rank's :class:`StepInputs` (host arithmetic, one copy to the device).
+    """Build this rank's :class:`StepInputs`: host arithmetic, then one non-blocking copy
+    per dtype to the device (no host sync, so it can run while the previous step does).
 
     ``max_seq_len`` overrides the attention grid bound (graphs capture with the cache's
-    longest sequence so any later length fits).
+    longest sequence so any later length fits). ``last_tokens`` ``[R_prev]`` are the
+    previous step's sampled tokens on the device, which rows with a
+    ``plan.prev_token_index`` take as their input.
     """
     lo, hi = plan.request_range(node)
     q_lens, start = plan.q_lens[lo:hi], plan.start_pos[lo:hi]
@@ -92,37 +99,64 @@ def prepare_inputs(
     torch.cumsum(q_lens, 0, out=cu[1:])
     row_req = torch.repeat_interleave(torch.arange(hi - lo), q_lens, output_size=rows)
     positions = start[row_req] + torch.arange(rows) - cu[row_req]
-    slots = plan.slots[lo:hi].to(device)
+    slots = plan.slots[lo:hi]
     seq_lens = start + q_lens
     bound = int(seq_lens.max()) if hi > lo else 0
+    host = (
+        cu.to(torch.int32), seq_lens.to(torch.int32), slots, slots[row_req], positions,
+        torch.cumsum(plan.q_lens, 0) - 1, plan.tokens, *_prev_index(plan), *_sampling_host(plan),
+    )
+    cu, seq_lens, slots, row_slots, positions, last_rows, tokens, *rest = to_device(host, device)
+    if plan.prev_token_index is not None:
+        tokens = _feed_previous(tokens, rest.pop(0), last_tokens)
     meta = AttentionMetadata(
-        query_start_loc=cu.to(device, torch.int32),
-        seq_lens=seq_lens.to(device, torch.int32),
+        query_start_loc=cu,
+        seq_lens=seq_lens,
         block_table=kv.block_table[slots],
         max_query_len=int(q_lens.max()) if hi > lo else 0,
         max_seq_len=max(bound, max_seq_len),
     )
-    positions = positions.to(device)
     shape = StepShape(
         plan.rows_per_owner, plan.requests_per_owner, bool((plan.temperature == 0).all())
     )
     return StepInputs(
         shape=shape,
-        tokens=plan.tokens.to(device),
-        slot_mapping=kv.slot_mapping(slots[row_req.to(device)], positions),
+        tokens=tokens,
+        slot_mapping=kv.slot_mapping(row_slots, positions),
         freqs=rope.freqs(positions),
         meta=meta,
-        last_rows=(torch.cumsum(plan.q_lens, 0) - 1).to(device),
-        sampling=plan_sampling(plan, device),
+        last_rows=last_rows,
+        sampling=SamplingTensors(*rest),
+    )
+
+
+def _prev_index(plan: StepPlan) -> Tuple[torch.Tensor, ...]:
+    return () if plan.prev_token_index is None else (plan.prev_token_index,)
+
+
+def _feed_previous(tokens: torch.Tensor, index: torch.Tensor, last: Optional[torch.Tensor]) -> torch.Tensor:
+    """``[rows]`` input ids: ``last[index]`` where ``index >= 0``, else ``tokens``."""
+    if last is None:
+        raise RuntimeError("the plan feeds tokens of a previous step this rank has not run")
+    return torch.where(index >= 0, last[index.clamp(min=0)], tokens)
+
+
+def step_tokens(plan: StepPlan, device: torch.device, last_tokens: Optional[torch.Tensor]) -> torch.Tensor:
+    """``[rows]`` input ids of ``plan`` on ``device`` (executors without :class:`StepInputs`)."""
+    tokens, *prev = to_device((plan.tokens, *_prev_index(plan)), device)
+    return _feed_previous(tokens, prev[0], last_tokens) if prev else tokens
+
+
+def _sampling_host(plan: StepPlan) -> Tuple[torch.Tensor, ...]:
+    """The plan's ``[R]`` sampling tensors, in :class:`SamplingTensors` order (host)."""
+    return (
+        plan.temperature, plan.top_k, plan.top_p, plan.seeds, plan.request_ids, plan.sample_steps,
     )
 
 
 def plan_sampling(plan: StepPlan, device: torch.device) -> SamplingTensors:
     """The plan's ``[R]`` sampling tensors on ``device``."""
-    return SamplingTensors(
-        plan.temperature.to(device), plan.top_k.to(device), plan.top_p.to(device),
-        plan.seeds.to(device), plan.request_ids.to(device), plan.sample_steps.to(device),
-    )
+    return SamplingTensors(*to_device(_sampling_host(plan), device))
 
 
 _SMALL_BUCKETS = (1, 2, 4, 8)
@@ -160,7 +194,9 @@ def pad_plan(plan: StepPlan, dummy_slot: int) -> Tuple[StepPlan, torch.Tensor]:
         at += p
     fields = {f: torch.cat(v) for f, v in parts.items()}
     fields["slots"][fields["request_ids"] < 0] = dummy_slot
-    fields["tokens"] = _pad_tokens(plan, counts, padded)
+    fields["tokens"] = _pad_rows(plan.tokens, counts, padded, 0)
+    if plan.prev_token_index is not None:
+        fields["prev_token_index"] = _pad_rows(plan.prev_token_index, counts, padded, -1)
     new = dataclasses.replace(
         plan, requests_per_owner=padded, rows_per_owner=padded, admissions=(), **fields
     )
@@ -177,10 +213,11 @@ _DUMMY = dict(
 )
 
 
-def _pad_tokens(plan: StepPlan, counts, padded) -> torch.Tensor:
+def _pad_rows(values: torch.Tensor, counts, padded, fill: int) -> torch.Tensor:
+    """``[rows]`` per-row values of a pure-decode plan, each owner padded with ``fill``."""
     out, at = [], 0
     for c, p in zip(counts, padded):
-        out.append(plan.tokens[at : at + c])
-        out.append(torch.zeros(p - c, dtype=plan.tokens.dtype))
+        out.append(values[at : at + c])
+        out.append(torch.full((p - c,), fill, dtype=values.dtype))
         at += c
     return torch.cat(out)

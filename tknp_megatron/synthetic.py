@@ -15,6 +15,7 @@ from typing import Sequence
 
 import torch
 
+from .host_to_device import to_device
 from .weights import hash_uniform
 
 __all__ = ["PERIOD", "synthetic_kv"]
@@ -44,10 +45,11 @@ def synthetic_kv(
         head_dim: d_h.
     """
     dev = device
-    lay = torch.as_tensor(list(layers), dtype=torch.int64, device=dev).view(-1, 1, 1, 1, 1)
+    lay, head = to_device((torch.as_tensor(list(layers), dtype=torch.int64),
+                           torch.as_tensor(list(kv_heads), dtype=torch.int64)), dev)
+    lay, head = lay.view(-1, 1, 1, 1, 1), head.view(1, 1, 1, -1, 1)
     kv = torch.arange(2, dtype=torch.int64, device=dev).view(1, 2, 1, 1, 1)
     phase = torch.arange(PERIOD, dtype=torch.int64, device=dev).view(1, 1, -1, 1, 1)
-    head = torch.as_tensor(list(kv_heads), dtype=torch.int64, device=dev).view(1, 1, 1, -1, 1)
     dim = torch.arange(head_dim, dtype=torch.int64, device=dev).view(1, 1, 1, 1, -1)
     index = (((lay * 2 + kv) * PERIOD + phase) * num_kv_heads + head) * head_dim + dim
     tile = (hash_uniform(seed, index) * scale).to(dtype)  # [L, 2, PERIOD, H, d]

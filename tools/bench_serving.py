@@ -59,6 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--world", type=int, default=2, help="processes when not under torchrun")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_serving_out")
+    p.add_argument("--report-only", action="store_true",
+                   help="rebuild the table, CSV/JSON and plots from --out's partial.jsonl")
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     return args
@@ -108,10 +110,18 @@ def worker(rank, world, args):
                            dtype_from_name(args.dtype), device, args.seed)
             if rank == 0:
                 rows.append(_row(label, ctx, batch, rate, run, _roofline(mode, preset, trace, world, args)))
+                _save_partial(rows[-1], Path(args.out))
                 m = run.metrics
                 print(f"[{len(rows)}] {label:>8} ctx={ctx} batch={batch} rate={rate}: "
                       f"{m.completion_throughput_tok_s:.1f} tok/s, waves {m.waves}", flush=True)
     return rows
+
+
+def _save_partial(row: dict, out_dir: Path) -> None:
+    """Append a finished run to ``partial.jsonl`` (kept if a later run is cut short)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "partial.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 def _roofline(mode, preset, trace, world, args):
@@ -188,6 +198,10 @@ def plot_all(rows, out_dir: Path) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.report_only:
+        lines = (Path(args.out) / "partial.jsonl").read_text().splitlines()
+        report([json.loads(line) for line in lines if line.strip()], Path(args.out))
+        return 0
     if "RANK" in os.environ:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if args.device == "cuda":

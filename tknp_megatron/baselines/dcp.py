@@ -10,7 +10,8 @@ only their sequence shard: position ``p`` lives on shard ``p % D`` at local posi
 1. norm + QKV (own q heads, the group's k/v), RoPE;
 2. append k/v of the rows whose position falls in this shard;
 3. all-gather the queries of the D ranks of the group  -> ``[rows, Hq / Hkv, d]``;
-4. partial attention over the local shard              -> out ``[rows, Hq/Hkv, d]``, LSE fp32;
+4. partial attention over the local shard              -> out ``[rows, Hq/Hkv, d]``, LSE fp32
+   (Triton split-K kernel on pure-decode steps on CUDA, torch otherwise);
 5. all-gather LSE ``[rows, Hq / Hkv]`` and all-to-all the partial outputs so each rank
    gets the D partials of its own heads; merge with the LSE correction;
 6. ``linear_proj`` (row parallel, all-reduce over W), residual, norm, MLP, residual.
@@ -41,9 +42,11 @@ from ..placement import balanced_placement
 from ..plan import StepPlan
 from ..rope import Rope
 from ..sampling import SamplingTensors
-from ..step_inputs import StepShape, plan_sampling
+from ..step_inputs import StepShape, plan_sampling, step_tokens
 from ..synthetic import synthetic_kv
-from .dcp_attention import ShardMetadata, merge_partials, partial_attention
+from .dcp_attention import (
+    ShardMetadata, merge_partials, partial_attention, partial_attention_triton, triton_decode_usable,
+)
 from .dcp_qkv import dcp_degree
 
 __all__ = [
@@ -115,6 +118,8 @@ class DCPStepInputs:
         write_slots: ``[n]`` flat cache slots of those rows' k/v.
         attn: partial-attention metadata of the local shard.
         last_rows: ``[R]`` sampled row of each request; sampling: its ``[R]`` sampling tensors.
+        decode: host bool, every request has exactly one query row (row r is request r's
+            newest token), so the Triton decode path may serve the step.
     """
 
     shape: StepShape
@@ -125,9 +130,11 @@ class DCPStepInputs:
     attn: ShardMetadata
     last_rows: torch.Tensor
     sampling: SamplingTensors
+    decode: bool = False
 
 
-def prepare_dcp_inputs(plan: StepPlan, dcp: DCPGroups, kv: PagedKVCache, rope: Rope, device) -> DCPStepInputs:
+def prepare_dcp_inputs(plan: StepPlan, dcp: DCPGroups, kv: PagedKVCache, rope: Rope, device,
+                       last_tokens=None) -> DCPStepInputs:
     """Host arithmetic from the plan (positions, shard membership), one copy to the device."""
     d, j = dcp.degree, dcp.shard
     n_req, rows = plan.num_requests, plan.num_rows
@@ -147,9 +154,10 @@ def prepare_dcp_inputs(plan: StepPlan, dcp: DCPGroups, kv: PagedKVCache, rope: R
     )
     shape = StepShape((rows,), (n_req,), bool((plan.temperature == 0).all()))
     return DCPStepInputs(
-        shape=shape, tokens=plan.tokens.to(device), freqs=rope.freqs(positions.to(device)),
+        shape=shape, tokens=step_tokens(plan, device, last_tokens), freqs=rope.freqs(positions.to(device)),
         own_rows=own.to(device), write_slots=write_slots, attn=attn,
         last_rows=(cu[1:] - 1).to(device), sampling=plan_sampling(plan, device),
+        decode=n_req > 0 and rows == n_req and plan.max_query_len == 1,
     )
 
 
@@ -179,6 +187,7 @@ class DCPExecutor:
         self.scale = self.head_dim ** -0.5
         self.dtype = cfg.params_dtype
         self.local_ingest = {}  # external KV is not supported; kept for the engine's surface
+        self.last_tokens = None  # [R] previous step's tokens (device)
 
     def enable_cuda_graphs(self) -> None:
         raise ValueError("the DCP baseline runs eagerly: set EngineConfig.cuda_graphs=False")
@@ -187,11 +196,13 @@ class DCPExecutor:
     def execute(self, plan: StepPlan, timer=None) -> StepOutput:
         """Run ``plan``; every rank returns the same :class:`StepOutput`."""
         self.apply_admissions(plan.admissions)
-        inp = prepare_dcp_inputs(plan, self.dcp, self.kv, self.rope, self.device)
+        inp = prepare_dcp_inputs(plan, self.dcp, self.kv, self.rope, self.device, self.last_tokens)
         hidden = self.model.embedding(inp.tokens.unsqueeze(0), position_ids=None)  # [rows, 1, D]
         for layer in range(self.num_layers):
             hidden = self._layer(layer, hidden, inp)
-        return self._sample(hidden, inp, plan.record_logits)
+        out = self._sample(hidden, inp, plan.record_logits)
+        self.last_tokens = out.tokens  # rows of the next plan may be fed from them
+        return out
 
     def apply_admissions(self, admissions: tuple) -> None:
         """Every rank writes the same block-table row; ingested KV: synthetic only."""
@@ -220,7 +231,9 @@ class DCPExecutor:
         own = inp.own_rows
         self.kv.write(layer, k.index_select(0, own), v.index_select(0, own), inp.write_slots)
         k_cache, v_cache = self.kv.layer(layer)
-        out, lse = partial_attention(self._gather_queries(q), k_cache, v_cache, inp.attn, self.scale)
+        fused = inp.decode and triton_decode_usable(self.device)
+        attend = partial_attention_triton if fused else partial_attention
+        out, lse = attend(self._gather_queries(q), k_cache, v_cache, inp.attn, self.scale)
         attn = self._merge(out, lse).to(self.dtype).reshape(rows, 1, h * d)
         return finish_layer(block, attn, hidden)
 

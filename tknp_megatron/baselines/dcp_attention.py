@@ -6,20 +6,34 @@ rank's paged cache therefore holds shard-local positions ``0 .. ceil((L - j) / D
 for shard ``j``, and a query at position ``q`` sees local token ``t`` iff
 ``t * D + j <= q`` (causal over the global sequence).
 
-This is the torch reference implementation (plain, vectorised over rows, fp32); a fused
-kernel is out of scope.
+:func:`partial_attention` is the torch reference (plain, vectorised over rows, fp32) and
+serves every step. :func:`partial_attention_triton` serves pure-decode steps (one query
+row per request, its newest token) on CUDA, or on CPU under ``TRITON_INTERPRET=1``: there
+every cached local token is visible, so the shard's partial attention is exactly the
+split-K paged kernel of :mod:`~tknp_megatron.attention.triton_kernels` over the local
+cache (``seq_lens = local_lens``), whose per-split partials are merged here in torch.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Tuple
 
 import torch
 
+from ..attention.base import AttentionMetadata
 from ..attention.paging import gather_pages
+from ..attention.triton_paged import (
+    TritonConfig, _interpreting, _next_pow2, _num_sms, _supports, choose_num_splits, triton_importable,
+)
 
-__all__ = ["ShardMetadata", "partial_attention", "merge_partials"]
+__all__ = [
+    "ShardMetadata", "partial_attention", "partial_attention_triton", "triton_decode_usable",
+    "merge_partials",
+]
+
+_TRITON = TritonConfig()  # launch parameters and split heuristic of the Triton decode path
 
 
 @dataclass(frozen=True, eq=False)
@@ -80,6 +94,89 @@ def partial_attention(
     out = torch.einsum("rhl,rlhd->rhd", probs, v) / total.clamp_min(1e-30)[..., None]
     lse = torch.log(total) + peak[..., 0]  # -inf where nothing is visible
     return out, lse
+
+
+def triton_decode_usable(device: torch.device) -> bool:
+    """Whether :func:`partial_attention_triton` can run on ``device`` (host only): CUDA, or
+    ``TRITON_INTERPRET=1``, and ``triton`` importable."""
+    return _supports(device) and triton_importable()
+
+
+def _decode_metadata(meta: ShardMetadata) -> AttentionMetadata:
+    """The kernel's view of a decode step: request ``r`` is row ``r`` and sees its
+    ``local_lens[r]`` local tokens (int32 ``query_start_loc = arange(R + 1)``)."""
+    num_req, device = meta.local_lens.shape[0], meta.local_lens.device
+    return AttentionMetadata(
+        query_start_loc=torch.arange(num_req + 1, dtype=torch.int32, device=device),
+        seq_lens=meta.local_lens.to(torch.int32),
+        block_table=meta.block_table.to(torch.int32),
+        max_query_len=1,
+        max_seq_len=meta.max_local_len,
+    )
+
+
+def _merge_splits(part: torch.Tensor, lse2: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Merge the kernel's KV splits.
+
+    Args:
+        part: ``[rows, H, S, d]`` fp32 normalised partial outputs (0 for empty splits).
+        lse2: ``[rows, H, S]`` fp32 log2-sum-exp per split (-inf for empty splits).
+
+    Returns:
+        ``(out [rows, H, d], lse [rows, H])`` fp32, ``lse`` in natural log; rows and heads
+        with every split empty give ``out = 0``, ``lse = -inf``.
+    """
+    top = lse2.amax(-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    weights = torch.exp2(lse2 - top)  # [rows, H, S], 0 for empty splits
+    total = weights.sum(-1)  # [rows, H]
+    out = torch.einsum("rhs,rhsd->rhd", weights, part) / total.clamp_min(1e-30)[..., None]
+    lse = (torch.log2(total) + top[..., 0]) * math.log(2.0)  # log2(0) = -inf stays -inf
+    return out, lse
+
+
+def partial_attention_triton(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: ShardMetadata, scale: float
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`partial_attention` for a pure-decode step, with the Triton split-K kernel.
+
+    Row ``r`` must be request ``r``'s newest token (``rows == R``), whose own k/v (if this
+    shard holds it) is already cached, so all ``local_lens[r]`` local tokens are visible.
+    The kernel always runs in its partial form (fp32 per-split outputs and log2-sum-exp,
+    splits from :func:`~tknp_megatron.attention.triton_paged.choose_num_splits`), merged
+    by :func:`_merge_splits`. No host sync: grid sizes come from host ints.
+
+    Args:
+        q: ``[rows, Hq, d]`` query heads of the group (cast to the cache dtype; the
+            kernel accumulates in fp32).
+        k_cache, v_cache: ``[blocks, block_size, Hkv, d]`` local paged shard.
+        meta: shard metadata of a decode step.
+        scale: softmax scale.
+
+    Returns:
+        ``(out [rows, Hq, d], lse [rows, Hq])`` fp32, as :func:`partial_attention`.
+    """
+    from ..attention import triton_kernels as kernels  # lazy: honours TRITON_INTERPRET set by then
+
+    rows, heads, d = q.shape
+    if rows != meta.local_lens.shape[0]:
+        raise ValueError(f"decode needs one row per request: {rows} rows, {meta.local_lens.shape[0]} requests")
+    if rows == 0:
+        return q.new_zeros((0, heads, d), dtype=torch.float32), q.new_zeros((0, heads), dtype=torch.float32)
+    q = q.to(k_cache.dtype)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    num_kv_heads = k_cache.shape[2]
+    splits = choose_num_splits(rows * num_kv_heads, meta.max_local_len, _num_sms(q.device), _TRITON)
+    part = torch.empty((rows, heads, splits, d), dtype=torch.float32, device=q.device)
+    lse2 = torch.empty((rows, heads, splits), dtype=torch.float32, device=q.device)
+    kernels.launch_paged_attention(
+        q, k_cache, v_cache, part, lse2, _decode_metadata(meta), scale,
+        num_tiles=rows, num_splits=splits, block_q=1,
+        group_pad=max(16, _next_pow2(heads // num_kv_heads)),
+        block_n=_TRITON.block_n, num_warps=_TRITON.num_warps, num_stages=_TRITON.num_stages,
+        upcast=_interpreting() and q.dtype == torch.bfloat16,
+    )
+    return _merge_splits(part, lse2)
 
 
 def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
