@@ -37,6 +37,7 @@ from .metrics import RequestStatus, RequestTimeline, ServingMetrics, summarize
 from .model import StageModel
 from .placement import Placement
 from .plan import STOP_PLAN, StepPlan, build_plan
+from .profiler import LoopTiming
 from .request import Request
 from .rope import Rope
 from .sampling import SamplingParams
@@ -125,6 +126,7 @@ class TKNPInferenceEngine:
         self.peak_kv_tokens = [0] * len(self.block_counts)  # per owner, most tokens cached
         self._step = 0
         self._inflight: Optional[tuple] = None  # (plan, output) queued but not yet booked
+        self.loop_timing = LoopTiming()
         self.scheduler = None
         if groups.is_coordinator:
             allocators = [BlockAllocator(n, config.block_size) for n in self.block_counts]
@@ -228,6 +230,7 @@ class TKNPInferenceEngine:
         if not self.groups.is_coordinator:
             self._follow()
             return []
+        start, waited = time.perf_counter(), self.loop_timing.wait_s
         self._release_due()
         result = self.scheduler.schedule()
         queued = None
@@ -244,16 +247,25 @@ class TKNPInferenceEngine:
         self._inflight = queued
         if queued is not None:
             _mark_in_flight(queued[0], self.requests)
+        timing = self.loop_timing
+        timing.steps += 1
+        timing.host_s += time.perf_counter() - start - (timing.wait_s - waited)
         return finished
 
     def _follow(self) -> bool:
         """Receive and run one plan; False when it is the stop plan."""
         box = [None]
+        start = time.perf_counter()
         self._broadcast(box)
+        received = time.perf_counter()
         plan: StepPlan = box[0]
         if plan.stop:
             return False
         self.executor.execute(plan)
+        timing = self.loop_timing
+        timing.steps += 1
+        timing.wait_s += received - start
+        timing.host_s += time.perf_counter() - received
         return True
 
     def serve(self) -> None:
@@ -268,7 +280,9 @@ class TKNPInferenceEngine:
 
     def _book_keep(self, plan: StepPlan, out: StepOutput) -> List[int]:
         """Read a step's tokens (the coordinator's one host sync per step) and book them."""
+        start = time.perf_counter()
         tokens = out.tokens.tolist()
+        self.loop_timing.wait_s += time.perf_counter() - start
         now = self.clock()
         self.resident_log.append(self.scheduler.num_running())
         finished = []

@@ -13,7 +13,7 @@ from typing import List, Tuple
 
 import torch
 
-__all__ = ["PHASES", "PhaseTimes", "PhaseTimer"]
+__all__ = ["PHASES", "LoopTiming", "PhaseTimes", "PhaseTimer"]
 
 PHASES = ("root_qkv", "scatter", "attention", "gather", "root_proj_mlp", "handoff")
 
@@ -67,3 +67,26 @@ class PhaseTimer:
         for (_, a), (phase, b) in zip(self._marks, self._marks[1:]):
             totals[phase] += (a.elapsed_time(b) / 1e3) if self.cuda else (b - a)
         return PhaseTimes(**totals)
+
+
+@dataclass
+class LoopTiming:
+    """Where one rank's serving loop spends its wall time (always on: two clock reads).
+
+    ``host_s`` is time the rank's host works on steps (planning, broadcasting, preparing
+    inputs, launching, booking); ``wait_s`` is time it waits: the coordinator for a
+    step's tokens (the GPU), the other ranks for the next plan (the coordinator). A rank
+    whose ``host_s`` per step is near the step period is host-bound.
+    """
+
+    steps: int = 0
+    host_s: float = 0.0
+    wait_s: float = 0.0
+
+    def clear(self) -> None:
+        self.steps, self.host_s, self.wait_s = 0, 0.0, 0.0
+
+    def per_step_ms(self) -> Tuple[float, float]:
+        """``(host, wait)`` milliseconds per step."""
+        n = max(1, self.steps)
+        return 1e3 * self.host_s / n, 1e3 * self.wait_s / n

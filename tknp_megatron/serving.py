@@ -56,6 +56,8 @@ class ModeRun:
     outputs: tuple  # generated tokens per request id
     kv_capacity_tokens: tuple  # per pool, per owner
     resident_batch_mean: float  # requests resident per step, summed over pools
+    host_ms_per_step: tuple = ()  # per rank: host work per step (LoopTiming)
+    wait_ms_per_step: tuple = ()  # per rank: waiting per step (coordinators: for the GPU)
 
 
 def _layout(mode: Mode, world: int, tp: int):
@@ -118,6 +120,7 @@ def _warm_up(engine, workload: Workload, vocab: int, seed: int, pools: int) -> N
         engine.scheduler.waves = 0
     else:
         engine.serve()
+    engine.loop_timing.clear()
 
 
 def run_mode(
@@ -152,6 +155,8 @@ def run_mode(
             mine = None
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
+        timings = [None] * dist.get_world_size()
+        dist.all_gather_object(timings, engine.loop_timing.per_step_ms())
     finally:
         engine = None
         gc.collect()
@@ -160,7 +165,9 @@ def run_mode(
         ps.destroy_model_parallel()
     if dist.get_rank() != 0:
         return None
-    return _merge(mode, workload, [m for m in every if m is not None])
+    run = _merge(mode, workload, [m for m in every if m is not None])
+    return dataclasses.replace(run, host_ms_per_step=tuple(t[0] for t in timings),
+                               wait_ms_per_step=tuple(t[1] for t in timings))
 
 
 def _merge(mode: Mode, workload: Workload, parts) -> ModeRun:

@@ -145,6 +145,7 @@ def _row(label, ctx, batch, rate, run, predict) -> dict:
                 step_ms_predicted=1e3 * predicted,
                 measured_over_predicted=m.itl_s_p50 / predicted if predicted == predicted else None,
                 kv_capacity_tokens=[list(c) for c in run.kv_capacity_tokens],
+                host_ms_per_step=list(run.host_ms_per_step), wait_ms_per_step=list(run.wait_ms_per_step),
                 outputs=[list(o) for o in run.outputs])
 
 
@@ -169,15 +170,28 @@ def report(rows, out_dir: Path) -> None:
     plot_all(rows, out_dir)
     print(f"{'mode':>9} {'ctx':>6} {'batch':>5} {'rate':>6} {'tok/s':>9} {'waves':>5} "
           f"{'queue_s':>8} {'itl95_ms':>8} {'compl_s':>8} {'resident':>8} {'step_ms':>8} "
-          f"{'roof_ms':>8} {'meas/roof':>9}")
+          f"{'roof_ms':>8} {'meas/roof':>9} {'host_ms':>7} {'gpu_wait':>8}")
     for r in rows:
         ratio = r["measured_over_predicted"]
         print(f"{r['mode']:>9} {r['context']:>6} {r['offered_batch']:>5} {str(r['arrival_rate']):>6} "
               f"{r['completion_throughput_tok_s']:>9.1f} {r['waves']:>5} {r['queue_wait_s_mean']:>8.3f} "
               f"{1e3 * r['itl_s_p95']:>8.2f} {r['completion_time_s_mean']:>8.3f} "
               f"{r['resident_batch_mean']:>8.1f} {r['step_ms_measured']:>8.2f} "
-              f"{r['step_ms_predicted']:>8.2f} {'n/a' if ratio is None else f'{ratio:.2f}':>9}")
+              f"{r['step_ms_predicted']:>8.2f} {'n/a' if ratio is None else f'{ratio:.2f}':>9} "
+              f"{_host_ms(r):>7} {_wait_ms(r):>8}")
     print("tokens agree across modes:", agree, flush=True)
+
+
+def _host_ms(r) -> str:
+    """Busiest rank's host work per step (ms); n/a for PP (its loop is per microbatch)."""
+    host = r.get("host_ms_per_step") or []
+    return "n/a" if r["mode"] == "PP" or not host else f"{max(host):.2f}"
+
+
+def _wait_ms(r) -> str:
+    """Rank 0 (a coordinator) waiting for step tokens, per step (ms)."""
+    wait = r.get("wait_ms_per_step") or []
+    return "n/a" if r["mode"] == "PP" or not wait else f"{wait[0]:.2f}"
 
 
 def plot_all(rows, out_dir: Path) -> None:

@@ -46,6 +46,8 @@ def parse_args():
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default=None)
+    p.add_argument("--profile", action="store_true",
+                   help="also list the GPU kernels of a graphed step (torch.profiler, CUPTI)")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU/gloo smoke run of the eager parts (no graphs, no GPU)")
     return p.parse_args()
@@ -207,11 +209,32 @@ def bench_shape(ex, preset, batch, ctx, args) -> dict:
     phases = PhaseTimes(*(getattr(phases, f) / 5 for f in phases.__dataclass_fields__))
     ex.enable_cuda_graphs()  # off GPU: the padded decode path, run eagerly
     graph_s = time_steps(lambda: ex.execute(plan), args.reps)
+    kernels = kernel_profile(lambda: ex.execute(plan)) if args.profile and torch.cuda.is_available() else {}
     ex.graphs = None
     parts = compute_only(ex, preset, batch, ctx, n, args.reps)
     return dict(B=batch, ctx=ctx, eager_ms=eager_s * 1e3, graph_ms=graph_s * 1e3,
                 phases_ms={k: getattr(phases, k) * 1e3 for k in phases.__dataclass_fields__},
-                **parts)
+                **kernels, **parts)
+
+
+def kernel_profile(fn, reps: int = 5, top: int = 14) -> dict:
+    """GPU kernels of ``fn`` (a graphed step): busy time per step and the top kernels.
+
+    ``busy_ms`` sums kernel durations per step (NCCL kernels include their wait for the
+    peer); graph step time minus busy time is GPU idle time (launch gaps, host).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / 1e3 / reps, e.count / reps) for e in prof.key_averages()]
+    rows.sort(key=lambda r: -r[1])
+    return dict(busy_ms=sum(r[1] for r in rows),
+                kernels=[dict(name=k[:90], ms=round(ms, 4), calls=c) for k, ms, c in rows[:top]])
 
 
 def summarize(rows_by_rank, layers: int) -> list:
@@ -225,7 +248,8 @@ def summarize(rows_by_rank, layers: int) -> list:
         critical = layers * (dense + attn) + logits
         r0.update(dense_ms=dense, attention_ms=attn, logits_ms=logits, critical_ms=critical,
                   exposed_comm_share=max(0.0, 1 - critical / r0["graph_ms"]),
-                  phases_ms_by_rank=[r["phases_ms"] for r in shape_rows])
+                  phases_ms_by_rank=[r["phases_ms"] for r in shape_rows],
+                  busy_ms_by_rank=[r.get("busy_ms") for r in shape_rows])
         r0.pop("phases_ms", None)
         out.append(r0)
     return out
@@ -268,6 +292,12 @@ def main():
         for r in table:
             print(f"B={r['B']} ctx={r['ctx']} eager phases (ms, per rank):",
                   [{k: round(v, 2) for k, v in p.items()} for p in r["phases_ms_by_rank"]])
+        for r in table:
+            if "busy_ms" in r:
+                print(f"B={r['B']} ctx={r['ctx']} rank 0 graphed step: kernels busy {r['busy_ms']:.2f} ms"
+                      f" of {r['graph_ms']:.2f} ms")
+                for k in r["kernels"]:
+                    print(f"    {k['ms']:8.3f} ms  x{k['calls']:<6.0f} {k['name']}")
         sys.stdout.flush()
     dist.barrier()
     os._exit(0)  # NCCL teardown after capturing P2P can hang (DEVICE.md)
