@@ -32,6 +32,7 @@ from .attention import get_backend
 from .config import ModelPreset
 from .engine_setup import kv_cache_spec, pool_block_counts
 from .executor import StepOutput, TKNPExecutor
+from .host_to_device import HostCopy
 from .kv_cache import BlockAllocator, PagedKVCache
 from .metrics import RequestStatus, RequestTimeline, ServingMetrics, summarize
 from .model import StageModel
@@ -125,7 +126,7 @@ class TKNPInferenceEngine:
         self._next_id = 0
         self.peak_kv_tokens = [0] * len(self.block_counts)  # per owner, most tokens cached
         self._step = 0
-        self._inflight: Optional[tuple] = None  # (plan, output) queued but not yet booked
+        self._inflight: Optional[tuple] = None  # (plan, output, HostCopy) queued, not booked
         self.loop_timing = LoopTiming()
         self.scheduler = None
         if groups.is_coordinator:
@@ -242,7 +243,8 @@ class TKNPInferenceEngine:
             self._step += 1
             self._broadcast([plan])
             self._send_ingested_kv(plan)
-            queued = (plan, self.executor.execute(plan))
+            out = self.executor.execute(plan)
+            queued = (plan, out, HostCopy(out.tokens))
         finished = self._book_keep(*self._inflight) if self._inflight else []
         self._inflight = queued
         if queued is not None:
@@ -278,10 +280,11 @@ class TKNPInferenceEngine:
         self._require_coordinator("shutdown")
         self._broadcast([STOP_PLAN(self.groups.num_nodes)])
 
-    def _book_keep(self, plan: StepPlan, out: StepOutput) -> List[int]:
-        """Read a step's tokens (the coordinator's one host sync per step) and book them."""
+    def _book_keep(self, plan: StepPlan, out: StepOutput, copy: Optional[HostCopy] = None) -> List[int]:
+        """Read a step's tokens (the coordinator's one wait per step: for this step only,
+        not the one queued behind it) and book them."""
         start = time.perf_counter()
-        tokens = out.tokens.tolist()
+        tokens = (copy or HostCopy(out.tokens)).result().tolist()
         self.loop_timing.wait_s += time.perf_counter() - start
         now = self.clock()
         self.resident_log.append(self.scheduler.num_running())

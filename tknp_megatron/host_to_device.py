@@ -1,19 +1,23 @@
-"""Small host tensors to the GPU in one transfer per dtype, without a host sync.
+"""Host <-> GPU copies that never wait for more GPU work than they must.
 
 A step's inputs are a dozen tiny tensors. Copying each from pageable memory makes the
 host wait for the GPU stream every time, which would stall a host that plans step
 n + 1 while step n still runs. Here they are packed into one pinned buffer per dtype
 and copied with ``non_blocking=True``: the host returns at once, the copy runs in stream
 order, and torch's pinned-memory cache keeps each buffer alive until its copy is done.
+
+The other way, ``tensor.tolist()`` would synchronise the whole stream, i.e. wait for
+step n + 1 as well when the host only wants step n's tokens. :class:`HostCopy` copies
+into pinned memory behind step n and waits on an event recorded right after it.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
-__all__ = ["to_device"]
+__all__ = ["HostCopy", "to_device"]
 
 
 def to_device(tensors: Sequence[torch.Tensor], device: torch.device) -> List[torch.Tensor]:
@@ -33,3 +37,27 @@ def to_device(tensors: Sequence[torch.Tensor], device: torch.device) -> List[tor
         for i, piece in zip(idx, moved.split([tensors[i].numel() for i in idx])):
             out[i] = piece.view(tensors[i].shape)
     return out
+
+
+class HostCopy:
+    """A device tensor's copy to the host, started now, read later.
+
+    Args:
+        tensor: the device tensor (on CPU, it is kept as it is).
+    """
+
+    def __init__(self, tensor: torch.Tensor):
+        self._event: Optional[torch.cuda.Event] = None
+        if tensor.device.type != "cuda":
+            self._host = tensor
+            return
+        self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        self._host.copy_(tensor, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def result(self) -> torch.Tensor:
+        """The host tensor, once the work queued before the copy is done (not later work)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host
