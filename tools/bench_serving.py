@@ -43,7 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--dcp-kv-heads", type=int, default=1)
     p.add_argument("--tp", type=int, default=1, help="ranks per node (TKNP, DP, PP)")
     p.add_argument("--contexts", type=int, nargs="+", default=[64])
-    p.add_argument("--batches", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--batches", type=int, nargs="*", default=[4, 8],
+                   help="offered batches of the fixed-length traces (none: mixed traces only)")
     p.add_argument("--output-len", type=int, default=8)
     p.add_argument("--rates", type=float, nargs="*", default=[],
                    help="Poisson arrival rates (req/s) for the mixed-length trace")
