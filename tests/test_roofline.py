@@ -16,7 +16,7 @@ def test_dense_calibration_points_and_scaling():
     assert _dense_s(H200, 64, H200.dense_ref_bytes / 2) == pytest.approx(478e-6 / 2)  # TP2 slice
 
 
-@pytest.mark.parametrize("mode", ["tknp", "dp", "tp", "pp", "dcp"])
+@pytest.mark.parametrize("mode", ["tknp", "tknp-dual", "dp", "tp", "pp", "dcp"])
 def test_monotonic_in_batch_and_context(mode):
     f = lambda b, c: predicted_step_s(mode, L70, 2, 1, b, c)  # noqa: E731
     assert f(16, 32768) < f(64, 32768) < f(128, 32768)
@@ -30,6 +30,21 @@ def test_tknp_eight_layers_matches_hand_count():
     logits = 478e-6 * (2 * 128256 * 8192) / H200.dense_ref_bytes
     expected = 8 * (478e-6 + kv / 4.3e12 + exch) + logits
     assert predicted_step_s("tknp", p, 2, 1, 64, 32768) == pytest.approx(expected)
+
+
+def test_dual_root_pays_dense_twice_and_splits_attention():
+    """Per layer two half-phases, each a root's dense work at B/2 plus its owner share of
+    the other microbatch's attention: with flat dense cost, dual only wins when attention
+    is small next to a second dense pass (the model states the schedule's critical path)."""
+    p = L70.replace(num_layers=8)
+    single = predicted_step_s("tknp", p, 4, 1, 128, 32768)
+    dual = predicted_step_s("tknp-dual", p, 4, 1, 128, 32768)
+    per_owner = 128 / 8
+    kv = 2 * 2 * per_owner * 32768 * 8 * 128
+    exch = 2 * (21e-6 + per_owner * (10240 + 8192) * 2 / 336e9)
+    logits = 478e-6 * (2 * 128256 * 8192) / H200.dense_ref_bytes
+    assert dual == pytest.approx(8 * 2 * (478e-6 + kv / 4.3e12 + exch) + 2 * logits)
+    assert dual > single
 
 
 def test_tp_replicates_kv_past_the_kv_heads_and_dcp_does_not():

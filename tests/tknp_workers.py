@@ -84,11 +84,12 @@ def prefill_kv(model, preset, tokens) -> torch.Tensor:
     return torch.stack([torch.stack([k[:, 0], v[:, 0]]) for k, v in captured])
 
 
-def tknp_worker(rank, world, shapes, scenarios, seed, kv_by_scenario, engine_cls=None):
+def tknp_worker(rank, world, shapes, scenarios, seed, kv_by_scenario, engine_cls=None, microbatches=1):
     """For each (N, T[, pools]) of this world and each scenario, run the engine.
 
     With several pools (the data-parallel baseline) each pool serves the requests
     ``i % pools == pool`` under their global ids; pool coordinators return their results.
+    ``microbatches=2`` runs dual-active-root microbatching on the dual placement.
     """
     warnings.simplefilter("ignore")
     import parallel_state as ps
@@ -106,12 +107,12 @@ def tknp_worker(rank, world, shapes, scenarios, seed, kv_by_scenario, engine_cls
         )
         for s in scenarios:
             preset = get_preset(s.preset)
-            placement = balanced_placement(preset, n)
+            placement = balanced_placement(preset, n, dual=microbatches == 2)
             model = build_rank_model(preset, placement, groups, torch.float32, torch.device("cpu"))
             fill_seeded_(model, preset, seed)
             config = EngineConfig(block_size=s.block_size, kv_tokens_per_node=s.kv_tokens_per_node,
                                   record_logits=not s.graphs, attention_backend="torch",
-                                  cuda_graphs=s.graphs)
+                                  cuda_graphs=s.graphs, microbatches=microbatches)
             cls = engine_cls or TKNPInferenceEngine
             engine = cls(model, preset, placement, groups, config, torch.device("cpu"))
             out[(*shape, s.name)] = run_scenario(engine, s, kv_by_scenario.get(s.name))
@@ -145,6 +146,7 @@ def run_scenario(engine, s: Scenario, kvs):
         results=[engine.result(i) for i in ids],
         waves=engine.metrics().waves,
         capacity=engine.kv_capacity_tokens,
+        microbatch={i: engine.requests[i].microbatch for i in ids},
     )
 
 

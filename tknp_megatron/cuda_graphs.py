@@ -19,7 +19,7 @@ import torch
 
 from .host_to_device import to_device
 from .plan import StepPlan
-from .step_inputs import StepInputs, StepShape, pad_plan, prepare_inputs
+from .step_inputs import StepInputs
 
 __all__ = ["DecodeGraphs"]
 
@@ -27,7 +27,7 @@ __all__ = ["DecodeGraphs"]
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
-    inputs: StepInputs
+    inputs: object  # the executor's static inputs (StepInputs, or one per microbatch)
     tokens: torch.Tensor
 
 
@@ -42,38 +42,48 @@ class DecodeGraphs:
         spec = executor.kv.spec
         self.max_seq_len = spec.max_blocks_per_seq * spec.block_size
         self.pool = torch.cuda.graph_pool_handle() if capture else None
-        self.captured: Dict[StepShape, _Captured] = {}
+        self.captured: Dict[object, _Captured] = {}  # keyed by the executor's padded layout
 
     def run(self, plan: StepPlan, last_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Replay (capturing on first sight) the step of a pure-decode ``plan``: ``[R]`` tokens.
 
         ``last_tokens``: the previous step's tokens, for rows the plan feeds from them.
+        The executor pads the plan and prepares the inputs (``graph_inputs``) and runs the
+        captured body (``graph_forward``).
         """
         ex = self.ex
-        padded, index = pad_plan(plan, ex.kv.dummy_slot)
-        inputs = prepare_inputs(padded, ex.node, ex.kv, ex.rope, ex.device, self.max_seq_len, last_tokens)
+        key, inputs, index = ex.graph_inputs(plan, last_tokens, self.max_seq_len)
         (index,) = to_device((index,), ex.device)
         if not self.capture:
-            tokens, _ = ex.forward(inputs)
-            return tokens.index_select(0, index)
-        entry = self.captured.get(inputs.shape)
+            return ex.graph_forward(inputs).index_select(0, index)
+        entry = self.captured.get(key)
         if entry is None:
             entry = self._capture(inputs)
-            self.captured[inputs.shape] = entry
+            self.captured[key] = entry
         else:
-            entry.inputs.copy_(inputs)
+            _copy_inputs(entry.inputs, inputs)
         entry.graph.replay()
         return entry.tokens.index_select(0, index)
 
-    def _capture(self, inputs: StepInputs) -> _Captured:
+    def _capture(self, inputs) -> _Captured:
         """Warm up on a side stream (compiles kernels, starts communicators), then capture."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(self.WARMUP):
-                self.ex.forward(inputs)
+                self.ex.graph_forward(inputs)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            tokens, _ = self.ex.forward(inputs)
+            tokens = self.ex.graph_forward(inputs)
         return _Captured(graph, inputs, tokens)
+
+
+def _copy_inputs(dst, src) -> None:
+    """Fill captured (static) inputs from a new step's: one StepInputs or a tuple of them."""
+    if isinstance(dst, StepInputs):
+        dst.copy_(src)
+        return
+    for d, s in zip(dst, src):
+        if d is not None:
+            d.copy_(s)

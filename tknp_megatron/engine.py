@@ -66,6 +66,8 @@ class EngineConfig:
         record_logits: return each generated token's logits (tests).
         cuda_graphs: replay decode steps from CUDA graphs (on CPU: the same bucketed,
             padded decode path, run eagerly).
+        microbatches: 2 runs dual-active-root microbatching (needs a dual placement;
+            :mod:`tknp_megatron.dual_root`), 1 the single-copy schedule.
     """
 
     block_size: int = 16
@@ -78,6 +80,11 @@ class EngineConfig:
     attention_backend: Optional[str] = None
     record_logits: bool = False
     cuda_graphs: bool = False
+    microbatches: int = 1
+
+    def __post_init__(self):
+        if self.microbatches not in (1, 2):
+            raise ValueError(f"microbatches must be 1 or 2 (dual active roots), got {self.microbatches}")
 
 
 @dataclass(frozen=True)
@@ -147,9 +154,10 @@ class TKNPInferenceEngine:
         self.kv = PagedKVCache(spec.with_blocks(self.block_counts[groups.node]), device)
         rope = Rope(preset, model.config, device)
         backend = get_backend(self.config.attention_backend, device)
-        return TKNPExecutor(
-            model, self.placement, groups, self.kv, rope, backend, preset.vocab_size, device
-        )
+        cls = TKNPExecutor
+        if self.config.microbatches == 2:
+            from .dual_root import DualRootExecutor as cls
+        return cls(model, self.placement, groups, self.kv, rope, backend, preset.vocab_size, device)
 
     # ---------------------------------------------------------------- requests
     @property
@@ -234,11 +242,15 @@ class TKNPInferenceEngine:
         start, waited = time.perf_counter(), self.loop_timing.wait_s
         self._release_due()
         result = self.scheduler.schedule()
+        for req in result.admitted:
+            req.microbatch = -1  # unassigned: not counted by _microbatch_for
+        for req in result.admitted:
+            req.microbatch = self._microbatch_for(req)
         queued = None
         if result.batch:
             plan = build_plan(
                 self._step, result.batch, result.admissions, len(self.block_counts),
-                self.config.record_logits,
+                self.config.record_logits, self.config.microbatches,
             )
             self._step += 1
             self._broadcast([plan])
@@ -253,6 +265,13 @@ class TKNPInferenceEngine:
         timing.steps += 1
         timing.host_s += time.perf_counter() - start - (timing.wait_s - waited)
         return finished
+
+    def _microbatch_for(self, req: Request) -> int:
+        """The microbatch with fewer of the owner's running requests (dual active roots)."""
+        if self.config.microbatches == 1:
+            return 0
+        others = [r.microbatch for r in self.scheduler.running[req.owner]]
+        return int(others.count(1) < others.count(0))
 
     def _follow(self) -> bool:
         """Receive and run one plan; False when it is the stop plan."""
@@ -314,11 +333,13 @@ class TKNPInferenceEngine:
 
     def _track_peak(self, plan: StepPlan) -> None:
         """Most KV tokens each node held during a step."""
-        cached = (plan.start_pos + plan.q_lens).tolist()
-        for node in range(len(self.block_counts)):
-            lo, hi = plan.request_range(node)
-            used = sum(cached[lo:hi])
-            self.peak_kv_tokens[node] = max(self.peak_kv_tokens[node], used)
+        used = [0] * len(self.block_counts)
+        for part in plan.microbatches or (plan,):
+            cached = (part.start_pos + part.q_lens).tolist()
+            for node in range(len(used)):
+                lo, hi = part.request_range(node)
+                used[node] += sum(cached[lo:hi])
+        self.peak_kv_tokens = [max(p, u) for p, u in zip(self.peak_kv_tokens, used)]
 
     def _send_ingested_kv(self, plan: StepPlan) -> None:
         """Send each owner rank its KV heads of requests admitted with external KV."""

@@ -34,7 +34,7 @@ from .plan import Admission, StepPlan
 from .profiler import PhaseTimer
 from .rope import Rope
 from .sampling import SamplingTensors, greedy, sample
-from .step_inputs import StepInputs, prepare_inputs
+from .step_inputs import StepInputs, pad_plan, prepare_inputs
 from .synthetic import synthetic_kv
 
 __all__ = ["StepOutput", "TKNPExecutor", "draw_tokens"]
@@ -133,6 +133,18 @@ class TKNPExecutor:
                 hidden = self.comm.handoff(hidden, root, nxt, buf)
                 _mark(timer, "handoff")
         return self._sample(hidden, inp, record_logits)
+
+    # ---------------------------------------------------------------- graphs
+    def graph_inputs(self, plan: StepPlan, last_tokens, max_seq_len: int):
+        """For :class:`~tknp_megatron.cuda_graphs.DecodeGraphs`: ``(layout key, inputs of the
+        padded plan, [R] index of each real request in the padded batch)``."""
+        padded, index = pad_plan(plan, self.kv.dummy_slot)
+        inputs = prepare_inputs(padded, self.node, self.kv, self.rope, self.device, max_seq_len, last_tokens)
+        return inputs.shape, inputs, index
+
+    def graph_forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The captured body: ``[R_padded]`` tokens."""
+        return self.forward(inputs)[0]
 
     # ---------------------------------------------------------------- owner side
     def apply_admissions(self, admissions: tuple) -> None:

@@ -55,6 +55,11 @@ class StepPlan:
     ``tokens``; otherwise ``[rows]``: the index into the previous step's sampled tokens
     (batch order) of the row's input token, or -1 to take ``tokens``' entry.
     ``requests_per_owner`` / ``rows_per_owner`` are per node.
+
+    With dual-active-root microbatching, ``microbatches`` holds one plan per microbatch
+    (each grouped by owner, no admissions) and this plan is their concatenation in that
+    order, for booking; its rows are then grouped by microbatch first, so
+    :meth:`request_range` is only meaningful on the microbatches' plans.
     """
 
     step: int
@@ -74,6 +79,7 @@ class StepPlan:
     record_logits: bool = False
     stop: bool = False
     prev_token_index: Optional[torch.Tensor] = None
+    microbatches: Tuple["StepPlan", ...] = ()
 
     @property
     def num_requests(self) -> int:
@@ -115,13 +121,46 @@ def build_plan(
     admissions: Sequence[Admission],
     num_nodes: int,
     record_logits: bool = False,
+    num_microbatches: int = 1,
 ) -> StepPlan:
     """Plan for ``batch``; requests are reordered so each owner's rows are contiguous.
 
     A request with a step in flight (``inflight_rows > 0``) is fed its in-flight token
     from the device (one row, ``prev_token_index``); the others are fed their pending
-    host tokens.
+    host tokens. With ``num_microbatches`` > 1 the batch is split by ``Request.microbatch``
+    into per-microbatch plans (see :class:`StepPlan`).
     """
+    feed_prev = any(r.inflight_rows for r in batch)
+    if num_microbatches == 1:
+        return _plan(step, batch, admissions, num_nodes, record_logits, feed_prev)
+    parts = tuple(
+        _plan(step, [r for r in batch if r.microbatch == m], (), num_nodes, record_logits, feed_prev)
+        for m in range(num_microbatches)
+    )
+    return _concat(parts, admissions)
+
+
+_CONCAT = (
+    "request_ids", "slots", "q_lens", "start_pos", "tokens", "temperature", "top_k", "top_p",
+    "seeds", "sample_steps",
+)
+
+
+def _concat(parts: Tuple[StepPlan, ...], admissions: Sequence[Admission]) -> StepPlan:
+    """One plan holding ``parts`` back to back (the engine books it; executors run parts)."""
+    cat = {f: torch.cat([getattr(p, f) for p in parts]) for f in _CONCAT}
+    prev = None
+    if parts[0].prev_token_index is not None:
+        prev = torch.cat([p.prev_token_index for p in parts])
+    return StepPlan(
+        step=parts[0].step, admissions=tuple(admissions), **cat,
+        requests_per_owner=tuple(map(sum, zip(*(p.requests_per_owner for p in parts)))),
+        rows_per_owner=tuple(map(sum, zip(*(p.rows_per_owner for p in parts)))),
+        record_logits=parts[0].record_logits, prev_token_index=prev, microbatches=parts,
+    )
+
+
+def _plan(step, batch, admissions, num_nodes: int, record_logits: bool, feed_prev: bool) -> StepPlan:
     batch = sorted(batch, key=lambda r: r.owner)  # stable: keeps admission order per owner
     pending = [_PREV if r.inflight_rows else r.pending_tokens() for r in batch]
     per_owner = [0] * num_nodes
@@ -132,7 +171,7 @@ def build_plan(
     longs = lambda xs: torch.tensor(list(xs), dtype=torch.int64)  # noqa: E731
     floats = lambda xs: torch.tensor(list(xs), dtype=torch.float32)  # noqa: E731
     prev = None
-    if any(r.inflight_rows for r in batch):
+    if feed_prev:
         prev = longs(
             i for r, toks in zip(batch, pending)
             for i in ((r.inflight_index,) if r.inflight_rows else (-1,) * len(toks))

@@ -34,6 +34,7 @@ class Request:
         inflight_rows: rows of the request's step that is running but not yet booked
             (0: none); its KV then covers ``num_cached + inflight_rows`` tokens.
         inflight_index: the request's row in that step's sampled tokens.
+        microbatch: its microbatch under dual-active-root execution (fixed at admission).
         logits: per generated token, the full-vocabulary logits (only if recorded).
     """
 
@@ -50,6 +51,7 @@ class Request:
     num_cached: int = 0
     inflight_rows: int = 0
     inflight_index: int = -1
+    microbatch: int = 0
     logits: List[torch.Tensor] = field(default_factory=list)
 
     @property

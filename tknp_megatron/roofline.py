@@ -108,6 +108,15 @@ def predicted_step_s(
                  + _kv_bytes(preset, per_owner * context, hkv / tp) / hw.kv_bw
                  + (exch if nodes > 1 else 0.0))
         return L * layer + _logits_s(hw, preset, batch, tp)
+    if mode == "tknp-dual":
+        # two microbatches half a layer apart: per half-phase the busiest node is a root
+        # running one microbatch's dense work and its own share of the other's attention
+        per_owner = batch / (2 * nodes)
+        exch = 2 * (hw.p2p_s + per_owner * (preset.qkv_width + preset.num_attention_heads
+                                             * preset.kv_channels) * 2 / tp / hw.link_bw)
+        half = (_dense_s(hw, batch / 2, w / tp) + 2 * _allreduce_s(hw, batch / 2, preset, tp)
+                + _kv_bytes(preset, per_owner * context, hkv / tp) / hw.kv_bw + exch)
+        return L * 2 * half + 2 * _logits_s(hw, preset, batch / 2, tp)
     if mode == "dp":
         b = batch / nodes
         layer = (_dense_s(hw, b, w / tp) + 2 * _allreduce_s(hw, b, preset, tp)

@@ -2,6 +2,7 @@
 
 Modes (paper section 5.1), for a world of W ranks with T ranks per node:
   tknp  one TKNP pool, N = W / T nodes x TP T
+  tknp-dual  the same with dual-active-root microbatching (two weight copies, N even)
   dp    W / T independent replicas (pools of one node x TP T); requests round-robin
   tp    one pool, one node, TP over all W ranks
   pp    W / T pipeline stages x TP T, about W / T microbatches in flight
@@ -40,6 +41,7 @@ __all__ = ["Mode", "ModeRun", "run_mode"]
 
 class Mode(str, enum.Enum):
     TKNP = "tknp"
+    TKNP_DUAL = "tknp-dual"
     DP = "dp"
     TP = "tp"
     PP = "pp"
@@ -62,7 +64,7 @@ class ModeRun:
 
 def _layout(mode: Mode, world: int, tp: int):
     """``(num_pools, nodes, tp)`` of a mode."""
-    if mode in (Mode.TKNP, Mode.PP):
+    if mode in (Mode.TKNP, Mode.TKNP_DUAL, Mode.PP):
         return 1, world // tp, tp
     if mode is Mode.DP:
         return world // tp, 1, tp
@@ -71,7 +73,9 @@ def _layout(mode: Mode, world: int, tp: int):
 
 def _engine(mode: Mode, preset: ModelPreset, groups, config: EngineConfig, dtype, device, seed):
     """Build this rank's part of ``mode`` with seeded weights."""
-    placement = balanced_placement(preset, groups.num_nodes)
+    placement = balanced_placement(preset, groups.num_nodes, dual=mode is Mode.TKNP_DUAL)
+    if mode is Mode.TKNP_DUAL:
+        config = dataclasses.replace(config, microbatches=2)
     if mode in (Mode.PP, Mode.DCP):  # these baselines run eagerly
         config = dataclasses.replace(config, cuda_graphs=False)
     if mode is Mode.DCP:

@@ -33,11 +33,12 @@ from tknp_megatron.config import dtype_from_name, get_preset  # noqa: E402
 from tknp_megatron.launch import init_distributed, spawn  # noqa: E402
 
 MODES = ("tknp", "dp", "tp", "pp", "dcp")
+EXTRA_MODES = ("tknp-dual",)  # on request: dual-active-root microbatching
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES + EXTRA_MODES)
     p.add_argument("--model", default="tiny")
     p.add_argument("--layers", type=int, default=None, help="stack this many of the preset's layers")
     p.add_argument("--dcp-kv-heads", type=int, default=1)
