@@ -19,7 +19,6 @@ Names follow Megatron-Core's inference engines where they overlap (``add_request
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -29,7 +28,9 @@ from parallel_state import TokenParallelGroups
 
 from .admission import Arrival, ArrivalQueue, request_problem
 from .attention import get_backend
+from .booking import book_step, kv_tokens_per_node, mark_in_flight
 from .config import ModelPreset
+from .engine_config import EngineConfig, GenerationResult
 from .engine_setup import kv_cache_spec, pool_block_counts
 from .executor import StepOutput, TKNPExecutor
 from .host_to_device import HostCopy
@@ -42,62 +43,9 @@ from .profiler import LoopTiming
 from .request import Request
 from .rope import Rope
 from .sampling import SamplingParams
-from .scheduler import LoadPolicy, Scheduler, SchedulerConfig
+from .scheduler import Scheduler, SchedulerConfig
 
 __all__ = ["Arrival", "EngineConfig", "GenerationResult", "TKNPInferenceEngine"]
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Engine knobs.
-
-    Attributes:
-        block_size: tokens per KV block.
-        kv_tokens_per_node: KV budget per node in tokens (CPU); None sizes the cache
-            from free GPU memory after weights.
-        gpu_memory_utilization: fraction of GPU memory the process may use in total.
-        gpu_memory_cap_gib: if set, size the KV cache as if each GPU had only this much
-            memory (weights included): a smaller model then reproduces a large model's
-            capacity regime.
-        max_requests_per_node: request slots per node.
-        max_prefill_tokens: prompt tokens admitted per step.
-        policy: owner choice among eligible nodes (``usage`` or ``reserved``).
-        attention_backend: backend name; None picks the device default.
-        record_logits: return each generated token's logits (tests).
-        cuda_graphs: replay decode steps from CUDA graphs (on CPU: the same bucketed,
-            padded decode path, run eagerly).
-        microbatches: 2 runs dual-active-root microbatching (needs a dual placement;
-            :mod:`tknp_megatron.dual_root`), 1 the single-copy schedule.
-    """
-
-    block_size: int = 16
-    kv_tokens_per_node: Optional[int] = None
-    gpu_memory_utilization: float = 0.9
-    gpu_memory_cap_gib: Optional[float] = None
-    max_requests_per_node: int = 256
-    max_prefill_tokens: int = 16384
-    policy: LoadPolicy = LoadPolicy.USAGE
-    attention_backend: Optional[str] = None
-    record_logits: bool = False
-    cuda_graphs: bool = False
-    microbatches: int = 1
-
-    def __post_init__(self):
-        if self.microbatches not in (1, 2):
-            raise ValueError(f"microbatches must be 1 or 2 (dual active roots), got {self.microbatches}")
-
-
-@dataclass(frozen=True)
-class GenerationResult:
-    """How one request ended."""
-
-    request_id: int
-    status: RequestStatus
-    prompt_tokens: tuple
-    tokens: tuple
-    owner: int
-    reject_reason: Optional[str] = None
-    logits: Optional[torch.Tensor] = None
 
 
 class TKNPInferenceEngine:
@@ -260,7 +208,7 @@ class TKNPInferenceEngine:
         finished = self._book_keep(*self._inflight) if self._inflight else []
         self._inflight = queued
         if queued is not None:
-            _mark_in_flight(queued[0], self.requests)
+            mark_in_flight(queued[0], self.requests)
         timing = self.loop_timing
         timing.steps += 1
         timing.host_s += time.perf_counter() - start - (timing.wait_s - waited)
@@ -305,41 +253,11 @@ class TKNPInferenceEngine:
         start = time.perf_counter()
         tokens = (copy or HostCopy(out.tokens)).result().tolist()
         self.loop_timing.wait_s += time.perf_counter() - start
-        now = self.clock()
         self.resident_log.append(self.scheduler.num_running())
-        finished = []
-        for i, (rid, q_len) in enumerate(zip(plan.request_ids.tolist(), plan.q_lens.tolist())):
-            req = self.requests[rid]
-            req.inflight_rows = 0
-            if req.status is RequestStatus.COMPLETED:  # ended by EOS one step earlier
-                continue
-            req.num_cached += q_len
-            req.generated.append(tokens[i])
-            if out.logits is not None:
-                req.logits.append(out.logits[i].cpu())
-            tl = req.timeline
-            tl.first_token = now if tl.first_token is None else tl.first_token
-            tl.token_times.append(now)
-            tl.output_tokens = len(req.generated)
-            if req.finished():
-                tl.completion = now
-                tl.status = RequestStatus.COMPLETED
-                self.scheduler.finish(req)
-                finished.append(rid)
-            else:
-                tl.status = RequestStatus.RUNNING
-        self._track_peak(plan)
-        return finished
-
-    def _track_peak(self, plan: StepPlan) -> None:
-        """Most KV tokens each node held during a step."""
-        used = [0] * len(self.block_counts)
-        for part in plan.microbatches or (plan,):
-            cached = (part.start_pos + part.q_lens).tolist()
-            for node in range(len(used)):
-                lo, hi = part.request_range(node)
-                used[node] += sum(cached[lo:hi])
+        finished = book_step(plan, tokens, out.logits, self.requests, self.scheduler, self.clock())
+        used = kv_tokens_per_node(plan, len(self.block_counts))
         self.peak_kv_tokens = [max(p, u) for p, u in zip(self.peak_kv_tokens, used)]
+        return finished
 
     def _send_ingested_kv(self, plan: StepPlan) -> None:
         """Send each owner rank its KV heads of requests admitted with external KV."""
@@ -411,9 +329,3 @@ class TKNPInferenceEngine:
         if not self.groups.is_coordinator:
             raise RuntimeError(f"{what} is for the pool's coordinator (its first rank)")
 
-
-def _mark_in_flight(plan: StepPlan, requests: Dict[int, Request]) -> None:
-    """Record, per request of a queued step, its rows and its index in the step's tokens."""
-    for i, (rid, q_len) in enumerate(zip(plan.request_ids.tolist(), plan.q_lens.tolist())):
-        req = requests[rid]
-        req.inflight_rows, req.inflight_index = q_len, i

@@ -9,6 +9,12 @@ weight bytes for other shapes and TP slices), KV is read at 4.3 TB/s, an all-red
 [B, D] costs 20 us + bytes / 336 GB/s, and a graphed root<->owner exchange 21 us +
 bytes / 336 GB/s per direction. Benchmarks report measured / predicted per mode, so an
 implementation gap is told apart from the physics.
+
+``tknp-dual`` models :mod:`tknp_megatron.dual_root`'s schedule: per layer two half-phases,
+each bounded by a root running one microbatch's dense work plus its own owner share of
+the other microbatch's attention. With dense cost nearly flat in the batch this is
+slower than the single-copy step; what the schedule can hide (exchange latency and the
+non-root GPUs' idle time during dense work) is below this model's resolution.
 """
 
 from __future__ import annotations
