@@ -13,8 +13,9 @@ Real models and text::
 
     --load DIR            a Megatron-Core torch_dist checkpoint (any TP / PP it was saved at);
                           every TKNP rank reads only its own blocks, the reference reads it too
-    --hf DIR              a Hugging Face Llama folder, converted once (before the pool starts,
-                          or on rank 0 under torchrun) into a temporary checkpoint, then --load
+    --hf DIR              a Hugging Face Llama or Nemotron folder, converted once (before the
+                          pool starts, or on rank 0 under torchrun) into a temporary checkpoint,
+                          then --load
     --model-config FILE   architecture as JSON (TransformerConfig field names + GPTModel args);
                           without --load: seeded weights of that architecture. With --load it
                           defaults to DIR/model_config.json, else Megatron-LM's stored args
@@ -68,7 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="JSON list of token-id lists (or of strings, with --tokenizer)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--load", default=None, metavar="DIR", help="Megatron dist checkpoint")
-    src.add_argument("--hf", default=None, metavar="DIR", help="Hugging Face Llama folder")
+    src.add_argument("--hf", default=None, metavar="DIR",
+                     help="Hugging Face Llama / Nemotron folder")
     p.add_argument("--model-config", default=None, metavar="FILE", help="model JSON")
     p.add_argument("--tokenizer", default=None, metavar="DIR", help="HF tokenizer folder")
     p.add_argument("--prompt", action="append", default=None, metavar="TEXT",
@@ -109,13 +111,13 @@ class ModelSource:
 
 
 def convert_worker(rank: int, world: int, hf_dir: str, out_dir: str, dtype: str) -> None:
-    """One-process pool: HF Llama folder -> torch_dist checkpoint (+ model_config.json)."""
+    """One-process pool: HF Llama / Nemotron folder -> torch_dist checkpoint + model_config."""
     warnings.simplefilter("ignore")
     import parallel_state as ps
-    from tknp_megatron.hf_convert import convert_llama_to_dist_checkpoint
+    from tknp_megatron.hf_convert import convert_hf_to_dist_checkpoint
 
     ps.initialize_model_parallel(1)
-    convert_llama_to_dist_checkpoint(hf_dir, out_dir, dtype_from_name(dtype))
+    convert_hf_to_dist_checkpoint(hf_dir, out_dir, dtype_from_name(dtype))
     ps.destroy_model_parallel()
 
 

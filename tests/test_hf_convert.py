@@ -1,9 +1,10 @@
-"""HF Llama (random, tiny, safetensors) -> Megatron dist checkpoint -> Megatron GPTModel.
+"""HF Llama / Nemotron (random, tiny, safetensors) -> Megatron dist checkpoint -> GPTModel.
 
 The converted checkpoint is loaded by :func:`load_megatron_checkpoint` into the TP=1
 reference ``GPTModel`` (Megatron's own layers, SDPA core-attention shim) and its logits on a
-random sequence must equal ``transformers``' fp32 CPU logits within 1e-4 -- with and
-without llama3 RoPE scaling. This also checks that HF's q/k rows need no permutation.
+random sequence must equal ``transformers``' fp32 CPU logits within 1e-4 -- Llama with and
+without llama3 RoPE scaling, and Nemotron (LayerNorm1p with biases, squared-ReLU MLP,
+partial RoPE). This also checks that HF's q/k rows need no permutation.
 """
 
 from __future__ import annotations
@@ -18,6 +19,22 @@ from tknp_megatron.launch import spawn
 SEQ = 160
 
 
+def _perturb_norms(model):
+    """HF inits norms to 1 (weight) / 0 (bias): randomise so the norm mapping is tested."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+
+
+def _save_and_run(model, folder, vocab):
+    model.save_pretrained(folder, safe_serialization=True)
+    ids = torch.randint(0, vocab, (SEQ,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(ids[None]).logits[0].float()
+    return ids, logits
+
+
 def _make_hf(folder, rope_scaling):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -27,27 +44,38 @@ def _make_hf(folder, rope_scaling):
                       rope_scaling=rope_scaling, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).float().eval()
-    with torch.no_grad():  # HF inits norms to 1: perturb so the norm mapping is tested
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(folder, safe_serialization=True)
-    ids = torch.randint(0, 256, (SEQ,), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        logits = model(ids[None]).logits[0].float()
-    return ids, logits
+    _perturb_norms(model)
+    return _save_and_run(model, folder, 256)
+
+
+def _make_hf_nemotron(folder):
+    from transformers import NemotronConfig, NemotronForCausalLM
+
+    cfg = NemotronConfig(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         vocab_size=512, max_position_embeddings=512, norm_eps=1e-5,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "partial_rotary_factor": 0.5},
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = NemotronForCausalLM(cfg).float().eval()
+    # HF's init sets LayerNorm1P weight = 1 (gamma 2), bias 0; give the +1 and the biases
+    # (final norm included) values that differ per channel.
+    _perturb_norms(model)
+    assert {n for n, _ in model.named_parameters() if "norm" in n and n.endswith("bias")}
+    return _save_and_run(model, folder, 512)
 
 
 def convert_and_run(rank, world, hf_dir, out_dir, ids):
     warnings.simplefilter("ignore")
     import parallel_state as ps
     from tknp_megatron.checkpoint import load_megatron_checkpoint, load_model_config
-    from tknp_megatron.hf_convert import convert_llama_to_dist_checkpoint
+    from tknp_megatron.hf_convert import convert_hf_to_dist_checkpoint
     from tknp_megatron.reference import build_reference_model, reference_logits
     from tknp_megatron.rope import Rope
 
     ps.initialize_model_parallel(1)
-    convert_llama_to_dist_checkpoint(hf_dir, out_dir, torch.float32)
+    convert_hf_to_dist_checkpoint(hf_dir, out_dir, torch.float32)
     preset, _ = load_model_config(f"{out_dir}/model_config.json")
     model = build_reference_model(preset)  # fresh, uninitialised: everything from the ckpt
     load_megatron_checkpoint(model, out_dir)
@@ -81,3 +109,54 @@ def test_hf_config_preset():
     assert p.gpt.rope_scaling and p.gpt.rope_scaling_factor == 8.0
     with pytest.raises(ValueError, match="yarn"):
         preset_from_hf_config({"rope_scaling": {"rope_type": "yarn"}, "num_attention_heads": 4})
+
+
+def test_hf_nemotron_logits_match(tmp_path):
+    pytest.importorskip("transformers")
+    hf_dir, out_dir = tmp_path / "hf", tmp_path / "mcore"
+    ids, expected = _make_hf_nemotron(hf_dir)
+    logits, preset = spawn(convert_and_run, 1, (str(hf_dir), str(out_dir), ids), timeout_s=120)[0]
+    assert (preset.gated, preset.activation.value, preset.normalization) == (
+        False, "squared_relu", "LayerNorm")
+    assert preset.zero_centered_gamma and preset.gpt.rotary_percent == 0.5
+    assert not preset.gpt.share_embeddings_and_output_weights
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+
+
+_NEMOTRON = {"model_type": "nemotron", "num_hidden_layers": 2, "hidden_size": 64,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+             "intermediate_size": 192, "vocab_size": 512, "norm_eps": 1e-6,
+             "max_position_embeddings": 2048}
+
+
+def test_hf_nemotron_config_preset():
+    from tknp_megatron.hf_convert import preset_from_hf_config
+
+    # transformers 5.x layout (rope_parameters) and 4.x layout (top-level fields)
+    new = preset_from_hf_config({**_NEMOTRON, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 20000.0, "partial_rotary_factor": 0.25}})
+    old = preset_from_hf_config({**_NEMOTRON, "rope_theta": 20000.0,
+                                 "partial_rotary_factor": 0.25, "rope_scaling": None})
+    assert new == old
+    assert (new.num_layers, new.num_query_groups, new.kv_channels, new.ffn_hidden_size) == (
+        2, 2, 16, 192)
+    assert (new.gpt.rotary_percent, new.gpt.rotary_base, new.layernorm_epsilon) == (
+        0.25, 20000, 1e-6)
+    assert (new.gpt.vocab_size, new.gpt.max_sequence_length) == (512, 2048)
+    # HF's default partial_rotary_factor is 0.5
+    assert preset_from_hf_config(_NEMOTRON).gpt.rotary_percent == 0.5
+
+
+@pytest.mark.parametrize("field,value", [
+    ("attention_bias", True),
+    ("mlp_bias", True),
+    ("hidden_act", "gelu"),
+    ("rope_scaling", {"rope_type": "linear", "factor": 2.0}),
+    ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
+    ("model_type", "mistral"),
+])
+def test_hf_config_unsupported_field(field, value):
+    from tknp_megatron.hf_convert import preset_from_hf_config
+
+    with pytest.raises(ValueError, match=field):
+        preset_from_hf_config({**_NEMOTRON, field: value})

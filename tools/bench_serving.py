@@ -168,7 +168,7 @@ def tokens_agree(rows) -> dict:
 def report(rows, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     agree = tokens_agree(rows)
-    (out_dir / "results.json").write_text(json.dumps(dict(rows=rows, tokens_agree=agree), indent=1))
+    (out_dir / "results.json").write_text(json.dumps(dict(rows=rows, tokens_agree=agree), separators=(",", ":")))
     plot_all(rows, out_dir)
     print(f"{'mode':>9} {'ctx':>6} {'batch':>5} {'rate':>6} {'tok/s':>9} {'waves':>5} "
           f"{'queue_s':>8} {'itl95_ms':>8} {'compl_s':>8} {'resident':>8} {'step_ms':>8} "

@@ -1,7 +1,8 @@
-"""Convert a Hugging Face Llama safetensors folder into a Megatron ``torch_dist`` checkpoint.
+"""Convert a Hugging Face Llama / Nemotron safetensors folder to a Megatron torch_dist checkpoint.
 
     python tools/convert_hf_checkpoint.py --hf HF_DIR --out CKPT_DIR [--dtype bfloat16]
 
+``config.json``'s ``model_type`` (``llama`` or ``nemotron``) picks the weight mapping.
 Runs in one process (gloo, world 1) and holds one copy of the model in memory. The output
 directory is served with ``--load CKPT_DIR --model-config CKPT_DIR/model_config.json``.
 """
@@ -25,7 +26,7 @@ def main(argv=None) -> None:
 
     import parallel_state as ps
     from tknp_megatron.config import dtype_from_name
-    from tknp_megatron.hf_convert import convert_llama_to_dist_checkpoint
+    from tknp_megatron.hf_convert import convert_hf_to_dist_checkpoint
     from tknp_megatron.launch import free_port, init_distributed
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -33,7 +34,7 @@ def main(argv=None) -> None:
     init_distributed("gloo", 0, 1)
     try:
         ps.initialize_model_parallel(1)
-        preset = convert_llama_to_dist_checkpoint(args.hf, args.out, dtype_from_name(args.dtype))
+        preset = convert_hf_to_dist_checkpoint(args.hf, args.out, dtype_from_name(args.dtype))
         ps.destroy_model_parallel()
     finally:
         dist.destroy_process_group()
