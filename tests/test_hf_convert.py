@@ -54,8 +54,7 @@ def _make_hf_nemotron(folder):
     cfg = NemotronConfig(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                          vocab_size=512, max_position_embeddings=512, norm_eps=1e-5,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                          "partial_rotary_factor": 0.5},
+                         rope_theta=10000.0, partial_rotary_factor=0.5,
                          tie_word_embeddings=False)
     torch.manual_seed(0)
     model = NemotronForCausalLM(cfg).float().eval()
