@@ -64,7 +64,7 @@ def test_dual_root_uses_both_microbatches_and_waves(dual, shape):
             assert set(mbs) == {0, 1}, (node, mbs)
 
 
-def test_dual_root_needs_a_dual_placement():
+def test_engine_config_allows_one_or_two_microbatches():
     from tknp_megatron.engine import EngineConfig
 
     with pytest.raises(ValueError, match="microbatches must be 1 or 2"):

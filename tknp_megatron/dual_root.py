@@ -24,10 +24,9 @@ from __future__ import annotations
 from typing import List, Optional
 
 import torch
-import torch.distributed as dist
 
-from .dense import finish_layer, qkv_projection, vocab_logits
-from .executor import StepOutput, TKNPExecutor, draw_tokens
+from .dense import finish_layer, qkv_projection
+from .executor import StepOutput, TKNPExecutor
 from .plan import StepPlan
 from .step_inputs import StepInputs, pad_plan, prepare_inputs
 
@@ -62,7 +61,7 @@ class DualRootExecutor(TKNPExecutor):
             for p in plan.microbatches
         ]
         hidden = self._run_layers(inputs)
-        parts = [self._sample_microbatch(m, hidden[m], inp, plan.record_logits)
+        parts = [self._sample(hidden[m], inp, plan.record_logits, self.placement.last_root(m))
                  for m, inp in enumerate(inputs) if inp is not None]
         tokens = torch.cat([t for t, _ in parts])
         logits = torch.cat([lg for _, lg in parts]) if plan.record_logits else None
@@ -88,7 +87,7 @@ class DualRootExecutor(TKNPExecutor):
     def graph_forward(self, inputs) -> torch.Tensor:
         """The captured body: both microbatches' layers and sampling, ``[R_padded]`` tokens."""
         hidden = self._run_layers(list(inputs))
-        return torch.cat([self._sample_microbatch(m, hidden[m], inp, False)[0]
+        return torch.cat([self._sample(hidden[m], inp, False, self.placement.last_root(m))[0]
                           for m, inp in enumerate(inputs) if inp is not None])
 
     # ---------------------------------------------------------------- the schedule
@@ -113,7 +112,7 @@ class DualRootExecutor(TKNPExecutor):
             if 1 in live:                                                            # B
                 if layer > 0:
                     hidden[1] = self._finish(1, layer - 1, hidden[1], attn[1])
-                    hidden[1] = self._handoff(1, layer - 1, hidden[1], inputs[1])
+                    hidden[1] = self._move(1, layer - 1, hidden[1], inputs[1])
                 qkv[1] = self._begin(1, layer, hidden[1])
             att0 = self._attend(layer, mine0, inputs[0])
             attn[0] = self._gather(0, layer, att0, inputs)                           # C
@@ -121,7 +120,7 @@ class DualRootExecutor(TKNPExecutor):
             if 0 in live:                                                            # D
                 hidden[0] = self._finish(0, layer, hidden[0], attn[0])
                 if layer < last:
-                    hidden[0] = self._handoff(0, layer, hidden[0], inputs[0])
+                    hidden[0] = self._move(0, layer, hidden[0], inputs[0])
                     qkv[0] = self._begin(0, layer + 1, hidden[0])
             att1 = self._attend(layer, mine1, inputs[1])
             attn[1] = self._gather(1, layer, att1, inputs)                           # E
@@ -144,23 +143,16 @@ class DualRootExecutor(TKNPExecutor):
             return None
         return finish_layer(self.model.layer(layer), attn.unsqueeze(1), resid)
 
-    def _handoff(self, m: int, layer: int, hidden, inp: StepInputs):
+    def _move(self, m: int, layer: int, hidden, inp: StepInputs):
         """Move ``m``'s hidden state to the root of ``layer + 1`` if it changes."""
         src = self.placement.root_of_layer(layer, m)
         dst = self.placement.root_of_layer(layer + 1, m)
-        if src == dst:
-            return hidden
-        buf = self._hidden_buffer(inp.shape.num_rows) if self.node == dst else None
-        return self.comm.handoff(hidden, src, dst, buf)
+        return hidden if src == dst else self._handoff(hidden, src, dst, inp)
 
     def _scatter(self, m: int, layer: int, qkv, inputs) -> Optional[torch.Tensor]:
         """Every owner's rows of ``m``'s QKV at ``layer`` (None for an empty microbatch)."""
         inp = inputs[m]
-        if inp is None:
-            return None
-        rows = inp.shape.rows_per_owner
-        mine = torch.empty(rows[self.node], self.qkv_width, dtype=self.dtype, device=self.device)
-        return self.comm.scatter(qkv, self.placement.root_of_layer(layer, m), rows, mine)
+        return None if inp is None else self._scatter_qkv(qkv, self.placement.root_of_layer(layer, m), inp)
 
     def _attend(self, layer: int, mine, inp: Optional[StepInputs]):
         return None if inp is None else self.attend(layer, mine, inp)
@@ -168,31 +160,4 @@ class DualRootExecutor(TKNPExecutor):
     def _gather(self, m: int, layer: int, att, inputs):
         """Attention outputs of ``m`` in batch order on its root (None elsewhere)."""
         inp = inputs[m]
-        if inp is None:
-            return None
-        root = self.placement.root_of_layer(layer, m)
-        out = None
-        if self.node == root:
-            out = torch.empty(inp.shape.num_rows, att.shape[1], dtype=self.dtype, device=self.device)
-        return self.comm.gather(att, root, inp.shape.rows_per_owner, out)
-
-    # ---------------------------------------------------------------- sampling
-    def _sample_microbatch(self, m: int, hidden, inp: StepInputs, record_logits: bool):
-        """Logits and tokens of microbatch ``m`` on its last root, broadcast to the pool."""
-        last = self.placement.last_root(m)
-        n = inp.last_rows.shape[0]
-        tokens = torch.empty(n, dtype=torch.int64, device=self.device)
-        logits = None
-        if record_logits:
-            logits = torch.empty(n, self.vocab_size, dtype=torch.float32, device=self.device)
-        if self.node == last:
-            g = self.groups
-            full = vocab_logits(self.model, hidden, inp.last_rows, g.tp_group, g.tp_size, self.vocab_size)
-            tokens = draw_tokens(full, inp.sampling, inp.shape.all_greedy)
-            if logits is not None:
-                logits.copy_(full)
-        src = self.groups.global_rank(last, 0)
-        dist.broadcast(tokens, src=src, group=self.groups.pool_group)
-        if logits is not None:
-            dist.broadcast(logits, src=src, group=self.groups.pool_group)
-        return tokens, logits
+        return None if inp is None else self._gather_attention(att, self.placement.root_of_layer(layer, m), inp)

@@ -121,7 +121,6 @@ class TKNPExecutor:
 
     def forward(self, inp: StepInputs, record_logits: bool = False, timer=None):
         """The layer loop and sampling over prepared inputs: ``(tokens [R], logits | None)``."""
-        shape = inp.shape
         hidden = self._embed(inp) if self.node == self.placement.root_of_layer(0) else None
         num_layers = self.placement.num_layers
         for layer in range(num_layers):
@@ -129,8 +128,7 @@ class TKNPExecutor:
             hidden = self._layer(layer, root, hidden, inp, timer)
             nxt = self.placement.root_of_layer(layer + 1) if layer + 1 < num_layers else root
             if nxt != root:
-                buf = self._hidden_buffer(shape.num_rows) if self.node == nxt else None
-                hidden = self.comm.handoff(hidden, root, nxt, buf)
+                hidden = self._handoff(hidden, root, nxt, inp)
                 _mark(timer, "handoff")
         return self._sample(hidden, inp, record_logits)
 
@@ -183,22 +181,16 @@ class TKNPExecutor:
 
     def _layer(self, layer, root, hidden, inp: StepInputs, timer):
         is_root = self.node == root
-        rows_per_owner = inp.shape.rows_per_owner
         block = self.model.layer(layer) if is_root else None
         qkv = None
         if is_root:
             qkv = qkv_projection(block, hidden)
             _mark(timer, "root_qkv")
-        own_rows = rows_per_owner[self.node]
-        mine = torch.empty(own_rows, self.qkv_width, dtype=self.dtype, device=self.device)
-        mine = self.comm.scatter(qkv, root, rows_per_owner, mine)
+        mine = self._scatter_qkv(qkv, root, inp)
         _mark(timer, "scatter")
         attn = self.attend(layer, mine, inp)
         _mark(timer, "attention")
-        gathered = None
-        if is_root:
-            gathered = torch.empty(inp.shape.num_rows, attn.shape[1], dtype=self.dtype, device=self.device)
-        gathered = self.comm.gather(attn, root, rows_per_owner, gathered)
+        gathered = self._gather_attention(attn, root, inp)
         _mark(timer, "gather")
         if not is_root:
             return None
@@ -206,15 +198,37 @@ class TKNPExecutor:
         _mark(timer, "root_proj_mlp")
         return hidden
 
+    # ---------------------------------------------------------------- comm
+    def _scatter_qkv(self, qkv: Optional[torch.Tensor], root: int, inp: StepInputs) -> torch.Tensor:
+        """This node's rows ``[own_rows, qkv_width]`` of the root's QKV ``[rows, qkv_width]``."""
+        rows = inp.shape.rows_per_owner
+        mine = torch.empty(rows[self.node], self.qkv_width, dtype=self.dtype, device=self.device)
+        return self.comm.scatter(qkv, root, rows, mine)
+
+    def _gather_attention(self, attn: torch.Tensor, root: int, inp: StepInputs) -> Optional[torch.Tensor]:
+        """Every owner's ``[own_rows, W]`` outputs -> ``[rows, W]`` in batch order on ``root``."""
+        out = None
+        if self.node == root:
+            out = torch.empty(inp.shape.num_rows, attn.shape[1], dtype=self.dtype, device=self.device)
+        return self.comm.gather(attn, root, inp.shape.rows_per_owner, out)
+
+    def _handoff(self, hidden, src: int, dst: int, inp: StepInputs):
+        """Hidden state ``[rows, 1, D]`` from root ``src`` to root ``dst`` (None elsewhere)."""
+        buf = self._hidden_buffer(inp.shape.num_rows) if self.node == dst else None
+        return self.comm.handoff(hidden, src, dst, buf)
+
     # ---------------------------------------------------------------- sampling
-    def _sample(self, hidden, inp: StepInputs, record_logits: bool):
-        src = self.groups.global_rank(self.last_root, 0)
+    def _sample(self, hidden, inp: StepInputs, record_logits: bool, last_root: Optional[int] = None):
+        """Logits and tokens on ``last_root`` (default: the last layer's root), broadcast to
+        the pool: ``(tokens [R], logits [R, vocab] | None)``."""
+        last_root = self.last_root if last_root is None else last_root
+        src = self.groups.global_rank(last_root, 0)
         n = inp.last_rows.shape[0]
         tokens = torch.empty(n, dtype=torch.int64, device=self.device)
         logits = None
         if record_logits:
             logits = torch.empty(n, self.vocab_size, dtype=torch.float32, device=self.device)
-        if self.node == self.last_root:
+        if self.node == last_root:
             g = self.groups
             full = vocab_logits(self.model, hidden, inp.last_rows, g.tp_group, g.tp_size, self.vocab_size)
             tokens = draw_tokens(full, inp.sampling, inp.shape.all_greedy)

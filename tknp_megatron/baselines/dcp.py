@@ -23,6 +23,7 @@ table row serves every rank and capacity is counted in whole-sequence tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from ..dense import finish_layer, qkv_projection, vocab_logits
 from ..engine import TKNPInferenceEngine
 from ..engine_setup import budget_blocks, pool_block_counts
 from ..executor import StepOutput, draw_tokens
+from ..host_to_device import to_device
 from ..kv_cache import KVCacheSpec, PagedKVCache
 from ..placement import balanced_placement
 from ..plan import StepPlan
@@ -45,7 +47,8 @@ from ..sampling import SamplingTensors
 from ..step_inputs import StepShape, plan_sampling, step_tokens
 from ..synthetic import synthetic_kv
 from .dcp_attention import (
-    ShardMetadata, merge_partials, partial_attention, partial_attention_triton, triton_decode_usable,
+    ShardMetadata, decode_metadata, merge_partials, partial_attention, partial_attention_triton,
+    triton_decode_usable,
 )
 from .dcp_qkv import dcp_degree
 
@@ -135,7 +138,8 @@ class DCPStepInputs:
 
 def prepare_dcp_inputs(plan: StepPlan, dcp: DCPGroups, kv: PagedKVCache, rope: Rope, device,
                        last_tokens=None) -> DCPStepInputs:
-    """Host arithmetic from the plan (positions, shard membership), one copy to the device."""
+    """Host arithmetic from the plan (positions, shard membership), then one non-blocking
+    copy per dtype to the device; a decode step's kernel metadata is built here, once."""
     d, j = dcp.degree, dcp.shard
     n_req, rows = plan.num_requests, plan.num_rows
     cu = torch.zeros(n_req + 1, dtype=torch.int64)
@@ -145,19 +149,23 @@ def prepare_dcp_inputs(plan: StepPlan, dcp: DCPGroups, kv: PagedKVCache, rope: R
     own = torch.nonzero(positions % d == j).flatten()
     seq_lens = plan.start_pos + plan.q_lens
     local_lens = torch.clamp(seq_lens - j + d - 1, min=0) // d
-    slots = plan.slots.to(device)
-    write_slots = kv.slot_mapping(slots[row_req[own].to(device)], (positions[own] // d).to(device))
-    attn = ShardMetadata(
-        row_request=row_req.to(device), positions=positions.to(device),
-        local_lens=local_lens.to(device), block_table=kv.block_table[slots],
-        max_local_len=int(local_lens.max()) if n_req else 0, shard=j, degree=d,
+    max_local = int(local_lens.max()) if n_req else 0
+    decode = n_req > 0 and rows == n_req and plan.max_query_len == 1
+    slots, own_req, own_pos, row_req, positions, local_lens, own, last_rows = to_device(
+        (plan.slots, row_req[own], positions[own] // d, row_req, positions, local_lens, own, cu[1:] - 1),
+        device,
     )
+    attn = ShardMetadata(
+        row_request=row_req, positions=positions, local_lens=local_lens,
+        block_table=kv.block_table[slots], max_local_len=max_local, shard=j, degree=d,
+    )
+    if decode:
+        attn = dataclasses.replace(attn, kernel=decode_metadata(attn))
     shape = StepShape((rows,), (n_req,), bool((plan.temperature == 0).all()))
     return DCPStepInputs(
-        shape=shape, tokens=step_tokens(plan, device, last_tokens), freqs=rope.freqs(positions.to(device)),
-        own_rows=own.to(device), write_slots=write_slots, attn=attn,
-        last_rows=(cu[1:] - 1).to(device), sampling=plan_sampling(plan, device),
-        decode=n_req > 0 and rows == n_req and plan.max_query_len == 1,
+        shape=shape, tokens=step_tokens(plan, device, last_tokens), freqs=rope.freqs(positions),
+        own_rows=own, write_slots=kv.slot_mapping(slots[own_req], own_pos), attn=attn,
+        last_rows=last_rows, sampling=plan_sampling(plan, device), decode=decode,
     )
 
 
@@ -186,6 +194,7 @@ class DCPExecutor:
         self.head_dim = cfg.kv_channels
         self.scale = self.head_dim ** -0.5
         self.dtype = cfg.params_dtype
+        self.fused_decode = triton_decode_usable(device)  # decode steps on the Triton kernel
         self.local_ingest = {}  # external KV is not supported; kept for the engine's surface
         self.last_tokens = None  # [R] previous step's tokens (device)
 
@@ -231,8 +240,7 @@ class DCPExecutor:
         own = inp.own_rows
         self.kv.write(layer, k.index_select(0, own), v.index_select(0, own), inp.write_slots)
         k_cache, v_cache = self.kv.layer(layer)
-        fused = inp.decode and triton_decode_usable(self.device)
-        attend = partial_attention_triton if fused else partial_attention
+        attend = partial_attention_triton if inp.decode and self.fused_decode else partial_attention
         out, lse = attend(self._gather_queries(q), k_cache, v_cache, inp.attn, self.scale)
         attn = self._merge(out, lse).to(self.dtype).reshape(rows, 1, h * d)
         return finish_layer(block, attn, hidden)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -29,7 +29,8 @@ from ..attention.triton_paged import (
 )
 
 __all__ = [
-    "ShardMetadata", "partial_attention", "partial_attention_triton", "triton_decode_usable",
+    "ShardMetadata", "decode_metadata", "partial_attention", "partial_attention_triton",
+    "triton_decode_usable",
     "merge_partials",
 ]
 
@@ -48,6 +49,8 @@ class ShardMetadata:
         max_local_len: host int >= every ``local_lens``.
         shard: j, this rank's shard index.
         degree: D.
+        kernel: for a pure-decode step, the Triton kernel's view of it
+            (:func:`decode_metadata`), built once per step rather than once per layer.
     """
 
     row_request: torch.Tensor
@@ -57,6 +60,7 @@ class ShardMetadata:
     max_local_len: int
     shard: int
     degree: int
+    kernel: Optional[AttentionMetadata] = None
 
 
 def partial_attention(
@@ -102,7 +106,7 @@ def triton_decode_usable(device: torch.device) -> bool:
     return _supports(device) and triton_importable()
 
 
-def _decode_metadata(meta: ShardMetadata) -> AttentionMetadata:
+def decode_metadata(meta: ShardMetadata) -> AttentionMetadata:
     """The kernel's view of a decode step: request ``r`` is row ``r`` and sees its
     ``local_lens[r]`` local tokens (int32 ``query_start_loc = arange(R + 1)``)."""
     num_req, device = meta.local_lens.shape[0], meta.local_lens.device
@@ -170,7 +174,7 @@ def partial_attention_triton(
     part = torch.empty((rows, heads, splits, d), dtype=torch.float32, device=q.device)
     lse2 = torch.empty((rows, heads, splits), dtype=torch.float32, device=q.device)
     kernels.launch_paged_attention(
-        q, k_cache, v_cache, part, lse2, _decode_metadata(meta), scale,
+        q, k_cache, v_cache, part, lse2, decode_metadata(meta) if meta.kernel is None else meta.kernel, scale,
         num_tiles=rows, num_splits=splits, block_q=1,
         group_pad=max(16, _next_pow2(heads // num_kv_heads)),
         block_n=_TRITON.block_n, num_warps=_TRITON.num_warps, num_stages=_TRITON.num_stages,
