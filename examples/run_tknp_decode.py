@@ -40,13 +40,12 @@ from typing import Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Megatron warns at import when Apex / Transformer Engine are absent (always, on CPU).
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed")
 
 from tknp_megatron.config import ModelPreset, dtype_from_name, get_preset  # noqa: E402
 from tknp_megatron.launch import init_distributed, spawn  # noqa: E402
-from tknp_megatron.tokenizer import Tokenizer  # noqa: E402
+from tknp_megatron.models.tokenizer import Tokenizer  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -114,7 +113,7 @@ def convert_worker(rank: int, world: int, hf_dir: str, out_dir: str, dtype: str)
     """One-process pool: HF Llama / Nemotron folder -> torch_dist checkpoint + model_config."""
     warnings.simplefilter("ignore")
     import parallel_state as ps
-    from tknp_megatron.hf_convert import convert_hf_to_dist_checkpoint
+    from tknp_megatron.models.hf_convert import convert_hf_to_dist_checkpoint
 
     ps.initialize_model_parallel(1)
     convert_hf_to_dist_checkpoint(hf_dir, out_dir, dtype_from_name(dtype))
@@ -162,7 +161,7 @@ def checkpoint_dir(args) -> Iterator[Optional[str]]:
 
 
 def _model_config(path: str) -> ModelPreset:
-    from tknp_megatron.checkpoint import load_model_config
+    from tknp_megatron.models.checkpoint import load_model_config
 
     try:
         return load_model_config(path)[0]  # params_dtype is the file's; --dtype serves
@@ -172,7 +171,10 @@ def _model_config(path: str) -> ModelPreset:
 
 def _checkpoint_preset(ckpt: str) -> ModelPreset:
     """``ckpt/model_config.json`` (written by the HF converter), else Megatron-LM's args."""
-    from tknp_megatron.checkpoint import preset_from_checkpoint_args, read_checkpoint_args
+    from tknp_megatron.models.checkpoint import (
+        preset_from_checkpoint_args,
+        read_checkpoint_args,
+    )
 
     config = os.path.join(ckpt, "model_config.json")
     if os.path.exists(config):
@@ -195,7 +197,7 @@ def resolve_model(args, ckpt: Optional[str]) -> ModelSource:
         preset = get_preset(args.model or "tiny")
     if ckpt is None:
         return ModelSource(preset, weights=f"seeded (seed {args.seed})")
-    from tknp_megatron.checkpoint import checkpoint_padded_vocab_size
+    from tknp_megatron.models.checkpoint import checkpoint_padded_vocab_size
 
     vocab = checkpoint_padded_vocab_size(ckpt)
     if vocab < preset.vocab_size:
@@ -206,8 +208,8 @@ def resolve_model(args, ckpt: Optional[str]) -> ModelSource:
 
 def _load_weights(model, source: ModelSource, seed: int) -> None:
     """Checkpoint (collective: every rank calls it) or the seeded source."""
-    from tknp_megatron.checkpoint import load_megatron_checkpoint
-    from tknp_megatron.weights import fill_seeded_
+    from tknp_megatron.models.checkpoint import load_megatron_checkpoint
+    from tknp_megatron.models.weights import fill_seeded_
 
     if source.checkpoint:
         load_megatron_checkpoint(model, source.checkpoint)
@@ -291,8 +293,8 @@ def _object_device(args) -> Optional[torch.device]:
 
 def run_tknp(job: Job, device: torch.device):
     import parallel_state as ps
-    from tknp_megatron.engine import EngineConfig, TKNPInferenceEngine
-    from tknp_megatron.model import build_rank_model
+    from tknp_megatron.engine.engine import EngineConfig, TKNPInferenceEngine
+    from tknp_megatron.models.model import build_rank_model
     from tknp_megatron.placement import balanced_placement
 
     args, preset = job.args, job.model.preset
@@ -319,7 +321,8 @@ def run_reference(job: Job, device: torch.device):
     """Rank 0 generates: Megatron's GPTModel, TP=1, same weights. A checkpoint load is
     collective, so then every rank builds and loads the full model."""
     from megatron.core import parallel_state as mpu
-    from tknp_megatron.reference import build_reference_model, reference_generate
+
+    from tknp_megatron.models.reference import build_reference_model, reference_generate
 
     source, args = job.model, job.args
     mpu.initialize_model_parallel(1)

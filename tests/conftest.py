@@ -2,8 +2,8 @@
 
 import pytest
 
-from tknp_megatron.launch import spawn
 from tests.tknp_workers import SCENARIOS, SEED, reference_worker
+from tknp_megatron.launch import spawn
 
 
 @pytest.fixture(scope="session")

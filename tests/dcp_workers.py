@@ -35,8 +35,8 @@ def reference_worker(rank, world, cases: Sequence[DCPCase], scenarios: Sequence[
     """Megatron GPTModel (TP = 1) per model variant: generations and layer-0 fused QKV weight."""
     warnings.simplefilter("ignore")
     import parallel_state as ps
-    from tknp_megatron.reference import build_reference_model, reference_generate
-    from tknp_megatron.weights import fill_seeded_
+    from tknp_megatron.models.reference import build_reference_model, reference_generate
+    from tknp_megatron.models.weights import fill_seeded_
 
     ps.initialize_model_parallel(1)
     out = {}
@@ -62,8 +62,8 @@ def dcp_worker(rank, world, cases: Sequence[DCPCase], scenarios: Sequence[Scenar
     import parallel_state as ps
     from tknp_megatron.baselines.dcp import DCPInferenceEngine, init_dcp_groups
     from tknp_megatron.baselines.dcp_qkv import build_dcp_model
-    from tknp_megatron.engine import EngineConfig
-    from tknp_megatron.weights import fill_seeded_
+    from tknp_megatron.engine.engine import EngineConfig
+    from tknp_megatron.models.weights import fill_seeded_
 
     out = {}
     for case in cases:

@@ -126,7 +126,7 @@ def test_no_requests():
 def test_bench_dry_run(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "bench_attention.py"), "--dry-run", "--out", str(out)],
+        [sys.executable, "-m", "tknp_megatron.tools.bench_attention", "--dry-run", "--out", str(out)],
         capture_output=True, text=True, timeout=120, cwd=REPO,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,4 +1,4 @@
-"""tools/bench_serving.py on CPU: every mode serves the same trace and agrees on tokens."""
+"""tknp_megatron/tools/bench_serving.py on CPU: every mode serves the same trace and agrees on tokens."""
 
 import json
 import subprocess
@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_all_modes_one_invocation(tmp_path):
     out = tmp_path / "serving"
-    cmd = [sys.executable, str(ROOT / "tools" / "bench_serving.py"), "--world", "2",
+    cmd = [sys.executable, "-m", "tknp_megatron.tools.bench_serving", "--world", "2",
            "--model", "tiny", "--contexts", "24", "--batches", "6", "--output-len", "3",
            "--kv-tokens-per-node", "64", "--block-size", "4", "--mixed-requests", "4",
            "--mixed-scale", str(1 / 4096), "--rates", "50", "--out", str(out)]
@@ -29,7 +29,7 @@ def test_all_modes_one_invocation(tmp_path):
     partial = (out / "partial.jsonl").read_text().splitlines()
     assert len(partial) == len(result["rows"])
     (out / "results.json").unlink()
-    redo = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_serving.py"), "--report-only",
+    redo = subprocess.run([sys.executable, "-m", "tknp_megatron.tools.bench_serving", "--report-only",
                            "--out", str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert redo.returncode == 0, redo.stderr[-3000:]
     assert json.loads((out / "results.json").read_text())["rows"] == result["rows"]
@@ -37,8 +37,8 @@ def test_all_modes_one_invocation(tmp_path):
 
 def test_pending_tokens_skip_the_cached_prompt():
     """A decode step feeds only uncached tokens, without rebuilding prompt + generated."""
-    from tknp_megatron.metrics import RequestTimeline
-    from tknp_megatron.request import Request
+    from tknp_megatron.analysis.metrics import RequestTimeline
+    from tknp_megatron.engine.request import Request
     from tknp_megatron.sampling import SamplingParams
 
     req = Request(0, list(range(32768)), SamplingParams(max_new_tokens=8), RequestTimeline(0.0))

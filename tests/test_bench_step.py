@@ -1,4 +1,4 @@
-"""tools/bench_step.py's CPU dry run (gloo, 2 processes): the GPU benchmark's eager parts
+"""tknp_megatron/tools/bench_step.py's CPU dry run (gloo, 2 processes): the GPU benchmark's eager parts
 and its graph-vs-eager token check keep working between GPU sessions."""
 
 import json
@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_bench_step_dry_run(tmp_path):
     out = tmp_path / "bench_step.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           str(ROOT / "tools" / "bench_step.py"), "--dry-run", "--model", "tiny", "--layers", "4",
+           "-m", "tknp_megatron.tools.bench_step", "--dry-run", "--model", "tiny", "--layers", "4",
            "--batches", "4", "8", "--contexts", "32", "--reps", "1", "--block-size", "4",
            "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)

@@ -23,10 +23,10 @@ import warnings
 import pytest
 import torch
 
-from tknp_megatron.checkpoint import preset_from_model_config
+from tests.tknp_workers import Scenario, run_scenario
 from tknp_megatron.config import get_preset
 from tknp_megatron.launch import spawn
-from tests.tknp_workers import Scenario, run_scenario
+from tknp_megatron.models.checkpoint import preset_from_model_config
 
 SEED = 11
 SCENARIO = Scenario(
@@ -45,8 +45,12 @@ def _gpt_model(preset, tp: int):
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    from tknp_megatron.cpu_shims import SDPACoreAttention
-    from tknp_megatron.model import _final_norm_spec, layer_spec, padded_vocab_size
+    from tknp_megatron.models.cpu_shims import SDPACoreAttention
+    from tknp_megatron.models.model import (
+        _final_norm_spec,
+        layer_spec,
+        padded_vocab_size,
+    )
 
     config = preset.to_transformer_config(tp, torch.float32, use_cpu_initialization=True)
     spec = layer_spec(preset)
@@ -61,11 +65,11 @@ def _gpt_model(preset, tp: int):
 
 
 def _save(preset, tp: int, ckpt_dir: str, seeded: bool = True) -> None:
-    import parallel_state as ps
     from megatron.core import dist_checkpointing
 
-    from tknp_megatron.cpu_shims import cpu_torch_dist_save_strategy
-    from tknp_megatron.weights import fill_seeded_
+    import parallel_state as ps
+    from tknp_megatron.models.cpu_shims import cpu_torch_dist_save_strategy
+    from tknp_megatron.models.weights import fill_seeded_
 
     ps.initialize_model_parallel(tp)
     model = _gpt_model(preset, tp)
@@ -81,9 +85,9 @@ def _save(preset, tp: int, ckpt_dir: str, seeded: bool = True) -> None:
 
 def _serve(n: int, t: int, ckpt_dir: str):
     import parallel_state as ps
-    from tknp_megatron.checkpoint import load_megatron_checkpoint
-    from tknp_megatron.engine import EngineConfig, TKNPInferenceEngine
-    from tknp_megatron.model import build_rank_model
+    from tknp_megatron.engine.engine import EngineConfig, TKNPInferenceEngine
+    from tknp_megatron.models.checkpoint import load_megatron_checkpoint
+    from tknp_megatron.models.model import build_rank_model
     from tknp_megatron.placement import balanced_placement
 
     preset = get_preset(SCENARIO.preset)
@@ -103,9 +107,9 @@ def world2_worker(rank, world, ckpt_dir):
     """Save at TP=2; serve with (N, T) = (2, 1); the TP=1 reference loads the checkpoint."""
     warnings.simplefilter("ignore")
     import parallel_state as ps
-    from tknp_megatron.checkpoint import load_megatron_checkpoint
-    from tknp_megatron.reference import build_reference_model, reference_generate
     from tests.tknp_workers import params_for
+    from tknp_megatron.models.checkpoint import load_megatron_checkpoint
+    from tknp_megatron.models.reference import build_reference_model, reference_generate
 
     preset = get_preset(SCENARIO.preset)
     _save(preset, 2, ckpt_dir)
@@ -132,8 +136,11 @@ def memory_worker(rank, world, big_dir):
     import psutil
 
     import parallel_state as ps
-    from tknp_megatron.checkpoint import checkpoint_padded_vocab_size, load_megatron_checkpoint
-    from tknp_megatron.model import build_rank_model
+    from tknp_megatron.models.checkpoint import (
+        checkpoint_padded_vocab_size,
+        load_megatron_checkpoint,
+    )
+    from tknp_megatron.models.model import build_rank_model
     from tknp_megatron.placement import balanced_placement
 
     preset = preset_from_model_config(BIG)
@@ -204,7 +211,7 @@ def test_model_config_rejects_unknown_keys():
 
 
 def test_model_config_file(tmp_path):
-    from tknp_megatron.checkpoint import load_model_config
+    from tknp_megatron.models.checkpoint import load_model_config
 
     path = tmp_path / "model.json"
     path.write_text(json.dumps({**BIG, "params_dtype": "bfloat16"}))

@@ -2,8 +2,7 @@
 
 import pytest
 
-from tknp_megatron.config import get_preset
-from tknp_megatron.costmodel import (
+from tknp_megatron.analysis.costmodel import (
     KIB,
     MIB,
     Layout,
@@ -16,6 +15,7 @@ from tknp_megatron.costmodel import (
     split_batch,
     tp_kv_replication,
 )
+from tknp_megatron.config import get_preset
 from tknp_megatron.placement import GIB, model_bytes
 
 LLAMA = get_preset("llama3.1-405b")

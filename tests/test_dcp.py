@@ -23,15 +23,19 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests.dcp_workers import DCPCase, dcp_worker, reference_worker  # noqa: E402
+from tests.tknp_workers import Scenario  # noqa: E402
 from tknp_megatron.attention.torch_ref import attend_one_request  # noqa: E402
 from tknp_megatron.attention.triton_paged import TritonConfig  # noqa: E402
 from tknp_megatron.baselines import dcp_attention  # noqa: E402
 from tknp_megatron.baselines.dcp_attention import (  # noqa: E402
-    ShardMetadata, merge_partials, partial_attention, partial_attention_triton, triton_decode_usable,
+    ShardMetadata,
+    merge_partials,
+    partial_attention,
+    partial_attention_triton,
+    triton_decode_usable,
 )
 from tknp_megatron.launch import spawn  # noqa: E402
-from tests.dcp_workers import DCPCase, dcp_worker, reference_worker  # noqa: E402
-from tests.tknp_workers import Scenario  # noqa: E402
 
 SEED = 5
 CASES = [

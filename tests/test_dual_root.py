@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tknp_megatron.launch import spawn
 from tests.tknp_workers import SCENARIOS, SEED, tknp_worker
+from tknp_megatron.launch import spawn
 
 WORLDS = {2: [(2, 1)], 4: [(4, 1), (2, 2)]}
 SHAPES = [s for shapes in WORLDS.values() for s in shapes]
@@ -65,7 +65,7 @@ def test_dual_root_uses_both_microbatches_and_waves(dual, shape):
 
 
 def test_engine_config_allows_one_or_two_microbatches():
-    from tknp_megatron.engine import EngineConfig
+    from tknp_megatron.engine.engine import EngineConfig
 
     with pytest.raises(ValueError, match="microbatches must be 1 or 2"):
         EngineConfig(microbatches=3)

@@ -68,10 +68,13 @@ def _make_hf_nemotron(folder):
 def convert_and_run(rank, world, hf_dir, out_dir, ids):
     warnings.simplefilter("ignore")
     import parallel_state as ps
-    from tknp_megatron.checkpoint import load_megatron_checkpoint, load_model_config
-    from tknp_megatron.hf_convert import convert_hf_to_dist_checkpoint
-    from tknp_megatron.reference import build_reference_model, reference_logits
-    from tknp_megatron.rope import Rope
+    from tknp_megatron.executor.rope import Rope
+    from tknp_megatron.models.checkpoint import (
+        load_megatron_checkpoint,
+        load_model_config,
+    )
+    from tknp_megatron.models.hf_convert import convert_hf_to_dist_checkpoint
+    from tknp_megatron.models.reference import build_reference_model, reference_logits
 
     ps.initialize_model_parallel(1)
     convert_hf_to_dist_checkpoint(hf_dir, out_dir, torch.float32)
@@ -98,7 +101,7 @@ def test_hf_llama_logits_match(tmp_path, scaling):
 
 
 def test_hf_config_preset():
-    from tknp_megatron.hf_convert import preset_from_hf_config
+    from tknp_megatron.models.hf_convert import preset_from_hf_config
 
     p = preset_from_hf_config({"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
                                "num_key_value_heads": 2, "intermediate_size": 160,
@@ -129,7 +132,7 @@ _NEMOTRON = {"model_type": "nemotron", "num_hidden_layers": 2, "hidden_size": 64
 
 
 def test_hf_nemotron_config_preset():
-    from tknp_megatron.hf_convert import preset_from_hf_config
+    from tknp_megatron.models.hf_convert import preset_from_hf_config
 
     # transformers 5.x layout (rope_parameters) and 4.x layout (top-level fields)
     new = preset_from_hf_config({**_NEMOTRON, "rope_parameters": {
@@ -155,7 +158,7 @@ def test_hf_nemotron_config_preset():
     ("model_type", "mistral"),
 ])
 def test_hf_config_unsupported_field(field, value):
-    from tknp_megatron.hf_convert import preset_from_hf_config
+    from tknp_megatron.models.hf_convert import preset_from_hf_config
 
     with pytest.raises(ValueError, match=field):
         preset_from_hf_config({**_NEMOTRON, field: value})

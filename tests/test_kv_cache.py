@@ -12,8 +12,12 @@ import random
 import pytest
 import torch
 
-from tknp_megatron.kv_cache import BlockAllocator, KVCacheSpec, OutOfBlocks, PagedKVCache
-
+from tknp_megatron.kv_cache import (
+    BlockAllocator,
+    KVCacheSpec,
+    OutOfBlocks,
+    PagedKVCache,
+)
 
 # --------------------------------------------------------------------- allocator
 

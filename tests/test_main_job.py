@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from tknp_megatron.launch import spawn
 from tests.test_tokenizer import make_tiny_tokenizer
+from tknp_megatron.launch import spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "examples" / "run_tknp_decode.py"
@@ -51,8 +51,8 @@ def _run_job(out: Path, *args) -> dict:
 def save_worker(rank, world, config, ckpt_dir):
     """Plain Megatron-Core: a seeded GPTModel at TP=2, dist_checkpointing.save."""
     warnings.simplefilter("ignore")
-    from tknp_megatron.checkpoint import preset_from_model_config
     from tests.test_checkpoint import _save
+    from tknp_megatron.models.checkpoint import preset_from_model_config
 
     _save(preset_from_model_config(config), 2, ckpt_dir)
 
@@ -84,7 +84,7 @@ def test_megatron_checkpoint_job(tmp_path):
 
 def test_tokenizer_prompts(tmp_path):
     pytest.importorskip("tokenizers")
-    from tknp_megatron.tokenizer import Tokenizer
+    from tknp_megatron.models.tokenizer import Tokenizer
 
     tok = Tokenizer(make_tiny_tokenizer(tmp_path / "tok"))
     config = tmp_path / "model.json"
@@ -136,7 +136,7 @@ def test_bad_flags_fail_before_the_pool(tmp_path):
 def test_tokenizer_eos_reaches_sampling(tmp_path):
     """The tokenizer's EOS is every request's (and the reference's) stop token."""
     pytest.importorskip("tokenizers")
-    from tknp_megatron.tokenizer import Tokenizer
+    from tknp_megatron.models.tokenizer import Tokenizer
 
     module = _load_job_module()
     tok = Tokenizer(make_tiny_tokenizer(tmp_path / "tok"))

@@ -1,4 +1,4 @@
-"""Tests of tknp_megatron.metrics on hand-made timelines."""
+"""Tests of tknp_megatron.analysis.metrics on hand-made timelines."""
 
 import json
 import math
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from tknp_megatron.metrics import (
+from tknp_megatron.analysis.metrics import (
     RequestStatus,
     RequestTimeline,
     ServingMetrics,

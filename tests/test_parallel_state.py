@@ -109,6 +109,7 @@ def _run_shapes(world: int, shapes) -> dict:
 def pools_worker(rank: int, world: int, shapes_by_world) -> dict:
     """Run the shapes of the launch world, then of smaller worlds carved out of it."""
     import torch.distributed as dist
+
     from tknp_megatron.launch import init_distributed
 
     out = {world: _run_shapes(world, shapes_by_world[world])}

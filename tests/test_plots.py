@@ -1,4 +1,4 @@
-"""Tests of tknp_megatron.plots: PNGs from synthetic rows, CSV/JSON round trips."""
+"""Tests of tknp_megatron.analysis.plots: PNGs from synthetic rows, CSV/JSON round trips."""
 
 import json
 import math
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tknp_megatron.plots import (
+from tknp_megatron.analysis.plots import (
     ModeResult,
     load_rows,
     main,
@@ -125,6 +125,6 @@ def test_json_round_trip_and_plain_list(tmp_path):
 
 
 def test_module_imports_without_matplotlib():
-    code = ("import sys, tknp_megatron.plots, tknp_megatron.workload; "
+    code = ("import sys, tknp_megatron.analysis.plots, tknp_megatron.analysis.workload; "
             "assert 'matplotlib' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.tknp_workers import SCENARIOS, SEED, tknp_worker
 from tknp_megatron.baselines.pp import PPInferenceEngine
 from tknp_megatron.launch import spawn
-from tests.tknp_workers import SCENARIOS, SEED, tknp_worker
 
 WORLDS = {2: [(1, 2), (2, 1)], 3: [(3, 1)], 4: [(2, 2)]}
 SHAPES = [s for shapes in WORLDS.values() for s in shapes]

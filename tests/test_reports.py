@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(tool, *args, check=True):
-    cmd = [sys.executable, str(ROOT / "tools" / tool), *map(str, args)]
+    cmd = [sys.executable, "-m", f"tknp_megatron.tools.{tool.removesuffix('.py')}", *map(str, args)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     if check:
         assert proc.returncode == 0, proc.stderr

@@ -2,8 +2,8 @@
 
 import pytest
 
+from tknp_megatron.analysis.roofline import H200, _dense_s, predicted_step_s
 from tknp_megatron.config import get_preset
-from tknp_megatron.roofline import H200, _dense_s, predicted_step_s
 
 L70 = get_preset("llama3.1-70b")
 

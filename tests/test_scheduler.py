@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import pytest
 
+from tknp_megatron.analysis.metrics import RequestTimeline
+from tknp_megatron.engine.request import Request
+from tknp_megatron.engine.scheduler import LoadPolicy, Scheduler, SchedulerConfig
 from tknp_megatron.kv_cache import BlockAllocator
-from tknp_megatron.metrics import RequestTimeline
-from tknp_megatron.request import Request
 from tknp_megatron.sampling import SamplingParams
-from tknp_megatron.scheduler import LoadPolicy, Scheduler, SchedulerConfig
 
 
 def _request(rid: int, prompt_len: int, max_new: int) -> Request:

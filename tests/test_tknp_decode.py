@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tknp_megatron.launch import spawn
 from tests.tknp_workers import SCENARIOS, SEED, tknp_worker
+from tknp_megatron.launch import spawn
 
 WORLDS = {1: [(1, 1)], 2: [(2, 1), (1, 2)], 3: [(3, 1)], 4: [(4, 1), (2, 2)]}
 ALL_SHAPES = [s for shapes in WORLDS.values() for s in shapes]

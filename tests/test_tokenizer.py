@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tknp_megatron import tokenizer as tokenizer_module
-from tknp_megatron.tokenizer import Tokenizer
+from tknp_megatron.models import tokenizer as tokenizer_module
+from tknp_megatron.models.tokenizer import Tokenizer
 
 SENTENCES = [
     "the quick brown fox jumps over the lazy dog",

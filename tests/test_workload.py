@@ -1,4 +1,4 @@
-"""Tests of tknp_megatron.workload: determinism, the mixed-length fit, arrivals, prompts."""
+"""Tests of tknp_megatron.analysis.workload: determinism, the mixed-length fit, arrivals, prompts."""
 
 import dataclasses
 import math
@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from tknp_megatron.workload import (
+from tknp_megatron.analysis.workload import (
     MIXED_QUANTILES,
     PAPER_MIXED_STATS,
     Workload,

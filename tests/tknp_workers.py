@@ -43,8 +43,8 @@ def reference_worker(rank, world, scenarios: Sequence[Scenario], seed: int):
     warnings.simplefilter("ignore")
     import parallel_state as ps
     from tknp_megatron.config import get_preset
-    from tknp_megatron.reference import build_reference_model, reference_generate
-    from tknp_megatron.weights import fill_seeded_
+    from tknp_megatron.models.reference import build_reference_model, reference_generate
+    from tknp_megatron.models.weights import fill_seeded_
 
     ps.initialize_model_parallel(1)
     out = {}
@@ -65,8 +65,8 @@ def reference_worker(rank, world, scenarios: Sequence[Scenario], seed: int):
 def prefill_kv(model, preset, tokens) -> torch.Tensor:
     """``[layers, 2, len(tokens), Hkv, d]`` post-RoPE K/V as a prefill server computes them,
     captured from the inputs of Megatron's core attention in the reference model."""
-    from tknp_megatron.reference import reference_logits
-    from tknp_megatron.rope import Rope
+    from tknp_megatron.executor.rope import Rope
+    from tknp_megatron.models.reference import reference_logits
 
     captured = []
     hooks = [
@@ -94,10 +94,10 @@ def tknp_worker(rank, world, shapes, scenarios, seed, kv_by_scenario, engine_cls
     warnings.simplefilter("ignore")
     import parallel_state as ps
     from tknp_megatron.config import get_preset
-    from tknp_megatron.engine import EngineConfig, TKNPInferenceEngine
-    from tknp_megatron.model import build_rank_model
+    from tknp_megatron.engine.engine import EngineConfig, TKNPInferenceEngine
+    from tknp_megatron.models.model import build_rank_model
+    from tknp_megatron.models.weights import fill_seeded_
     from tknp_megatron.placement import balanced_placement
-    from tknp_megatron.weights import fill_seeded_
 
     out = {}
     for shape in shapes:

@@ -16,7 +16,7 @@ from typing import Deque, List, Sequence
 
 import torch
 
-from .host_to_device import to_device
+from tknp_megatron.host_to_device import to_device
 
 __all__ = ["OutOfBlocks", "BlockAllocator", "KVCacheSpec", "PagedKVCache"]
 

@@ -18,7 +18,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .config import ModelPreset
+from tknp_megatron.config import ModelPreset
 
 __all__ = [
     "GIB",

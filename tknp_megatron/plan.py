@@ -17,7 +17,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from .request import Request
+from tknp_megatron.engine.request import Request
 
 __all__ = ["Admission", "StepPlan", "build_plan", "STOP_PLAN"]
 

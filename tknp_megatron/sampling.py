@@ -19,7 +19,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from .hashing import MASK32, mix32
+from tknp_megatron.hashing import MASK32, mix32
 
 __all__ = [
     "SamplingParams",

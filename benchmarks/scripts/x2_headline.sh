@@ -13,11 +13,11 @@ COMMON="--device cuda --model llama3.1-70b --layers 12 --gpu-memory-gib 34.6 --o
 for part in ${PARTS:-step ctx32k}; do
   echo "== $part"
   case $part in
-    step) timeout ${STEP_LIMIT:-150} $TR tools/bench_step.py --layers 12 --batches 16 64 \
+    step) timeout ${STEP_LIMIT:-150} $TR tknp_megatron/tools/bench_step.py --layers 12 --batches 16 64 \
             --contexts 32768 --reps 10 --profile --out "$OUT/bench_step_x2_l12.json" ;;
-    ctx32k) timeout ${LIMIT32:-440} $TR tools/bench_serving.py $COMMON --contexts 32768 \
+    ctx32k) timeout ${LIMIT32:-440} $TR tknp_megatron/tools/bench_serving.py $COMMON --contexts 32768 \
               --batches 128 64 16 4 --out "$OUT/serving_x2_ctx32k" ;;
-    ctx64k) timeout ${LIMIT64:-440} $TR tools/bench_serving.py $COMMON --contexts 65536 \
+    ctx64k) timeout ${LIMIT64:-440} $TR tknp_megatron/tools/bench_serving.py $COMMON --contexts 65536 \
               --batches 64 16 4 --mixed-requests 48 --mixed-scale 0.5 --rates 2 8 --burst \
               --out "$OUT/serving_x2_ctx64k_mixed" ;;
   esac 2>&1 | grep -v Warning | tail -45

@@ -14,7 +14,7 @@ for shape in "2 2" "4 1"; do
   done
 done
 echo "== serving"
-timeout ${SERVING_TIMEOUT:-260} $TR tools/bench_serving.py --device cuda --model llama3.1-70b --layers 8 \
+timeout ${SERVING_TIMEOUT:-260} $TR tknp_megatron/tools/bench_serving.py --device cuda --model llama3.1-70b --layers 8 \
   --tp 2 --dcp-kv-heads 2 --gpu-memory-gib 13.5 --contexts 32768 --batches 16 64 \
   --output-len 64 --modes tknp dp tp pp dcp --cuda-graphs --out "$OUT/serving_x4" 2>&1 \
   | grep -v Warning | tail -30

@@ -6,12 +6,17 @@ torch), ``triton`` (paged split-K decode; needs ``triton`` and CUDA, or
 ``get_backend(None, device)`` picks ``triton`` on CUDA when usable, else ``torch``.
 """
 
-from .base import AttentionBackend, AttentionMetadata
-from .registry import available_backends, default_backend_name, get_backend, register_backend
-from . import torch_ref as _torch_ref  # noqa: F401  (registers "torch")
-from . import sdpa as _sdpa  # noqa: F401  (registers "sdpa")
-from . import triton_paged as _triton_paged  # noqa: F401  (registers "triton"; imports triton lazily)
-from . import flash as _flash  # noqa: F401  (registers "flash"; imports flash_attn lazily)
+from tknp_megatron.attention import flash as _flash  # noqa: F401  (registers "flash"; imports flash_attn lazily)
+from tknp_megatron.attention import sdpa as _sdpa  # noqa: F401  (registers "sdpa")
+from tknp_megatron.attention import torch_ref as _torch_ref  # noqa: F401  (registers "torch")
+from tknp_megatron.attention import triton_paged as _triton_paged  # noqa: F401  (registers "triton"; imports triton lazily)
+from tknp_megatron.attention.base import AttentionBackend, AttentionMetadata
+from tknp_megatron.attention.registry import (
+    available_backends,
+    default_backend_name,
+    get_backend,
+    register_backend,
+)
 
 __all__ = [
     "AttentionMetadata",

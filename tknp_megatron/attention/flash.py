@@ -14,8 +14,8 @@ from typing import Any, Optional
 
 import torch
 
-from .base import AttentionBackend, AttentionMetadata
-from .registry import register_backend
+from tknp_megatron.attention.base import AttentionBackend, AttentionMetadata
+from tknp_megatron.attention.registry import register_backend
 
 __all__ = ["FlashAttnBackend", "flash_importable"]
 

@@ -6,7 +6,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .base import AttentionMetadata
+from tknp_megatron.attention.base import AttentionMetadata
 
 __all__ = ["gather_pages", "row_requests", "query_lens"]
 

@@ -11,7 +11,7 @@ from typing import Callable, Dict, List, Optional, Union
 
 import torch
 
-from .base import AttentionBackend
+from tknp_megatron.attention.base import AttentionBackend
 
 __all__ = ["register_backend", "get_backend", "available_backends", "default_backend_name"]
 

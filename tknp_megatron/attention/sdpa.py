@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import AttentionBackend, AttentionMetadata
-from .paging import gather_pages, row_requests
-from .registry import register_backend
+from tknp_megatron.attention.base import AttentionBackend, AttentionMetadata
+from tknp_megatron.attention.paging import gather_pages, row_requests
+from tknp_megatron.attention.registry import register_backend
 
 __all__ = ["SdpaBackend", "sdpa_paged"]
 

@@ -14,7 +14,7 @@ from typing import Sequence, Union
 
 import torch
 
-from .base import AttentionMetadata
+from tknp_megatron.attention.base import AttentionMetadata
 
 __all__ = ["PagedCase", "make_paged_case", "poison_unowned_slots"]
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import AttentionBackend, AttentionMetadata
-from .registry import register_backend
+from tknp_megatron.attention.base import AttentionBackend, AttentionMetadata
+from tknp_megatron.attention.registry import register_backend
 
 __all__ = ["TorchReferenceBackend", "attend_one_request"]
 

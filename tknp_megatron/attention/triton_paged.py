@@ -26,9 +26,9 @@ from typing import Optional
 
 import torch
 
-from .base import AttentionBackend, AttentionMetadata
-from .registry import register_backend
-from .sdpa import sdpa_paged
+from tknp_megatron.attention.base import AttentionBackend, AttentionMetadata
+from tknp_megatron.attention.registry import register_backend
+from tknp_megatron.attention.sdpa import sdpa_paged
 
 __all__ = ["TritonConfig", "TritonPagedBackend", "choose_num_splits", "triton_importable"]
 
@@ -163,7 +163,9 @@ class TritonPagedBackend(AttentionBackend):
         return self._run(q, k_cache, v_cache, meta, scale, num_tiles, splits, block_q, group_pad, tiles)
 
     def _run(self, q, k_cache, v_cache, meta, scale, num_tiles, splits, block_q, group_pad, tiles):
-        from . import triton_kernels as kernels  # lazy: honours TRITON_INTERPRET set by then
+        from tknp_megatron.attention import (
+            triton_kernels as kernels,  # lazy: honours TRITON_INTERPRET set by then
+        )
 
         cfg = self.config
         out = torch.empty_like(q)

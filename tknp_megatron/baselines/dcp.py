@@ -33,24 +33,27 @@ import torch
 import torch.distributed as dist
 
 from parallel_state import TokenParallelGroups
-
-from ..dense import finish_layer, qkv_projection, vocab_logits
-from ..engine import TKNPInferenceEngine
-from ..engine_setup import budget_blocks, pool_block_counts
-from ..executor import StepOutput, draw_tokens
-from ..host_to_device import to_device
-from ..kv_cache import KVCacheSpec, PagedKVCache
-from ..placement import balanced_placement
-from ..plan import StepPlan
-from ..rope import Rope
-from ..sampling import SamplingTensors
-from ..step_inputs import StepShape, plan_sampling, step_tokens
-from ..synthetic import synthetic_kv
-from .dcp_attention import (
-    ShardMetadata, decode_metadata, merge_partials, partial_attention, partial_attention_triton,
+from tknp_megatron.baselines.dcp_attention import (
+    ShardMetadata,
+    decode_metadata,
+    merge_partials,
+    partial_attention,
+    partial_attention_triton,
     triton_decode_usable,
 )
-from .dcp_qkv import dcp_degree
+from tknp_megatron.baselines.dcp_qkv import dcp_degree
+from tknp_megatron.engine.engine import TKNPInferenceEngine
+from tknp_megatron.engine.kv_budget import budget_blocks, pool_block_counts
+from tknp_megatron.executor.dense import finish_layer, qkv_projection, vocab_logits
+from tknp_megatron.executor.rope import Rope
+from tknp_megatron.executor.step_inputs import StepShape, plan_sampling, step_tokens
+from tknp_megatron.executor.synthetic import synthetic_kv
+from tknp_megatron.executor.tknp import StepOutput, draw_tokens
+from tknp_megatron.host_to_device import to_device
+from tknp_megatron.kv_cache import KVCacheSpec, PagedKVCache
+from tknp_megatron.placement import balanced_placement
+from tknp_megatron.plan import StepPlan
+from tknp_megatron.sampling import SamplingTensors
 
 __all__ = [
     "DCPGroups", "DCPStepInputs", "DCPExecutor", "DCPInferenceEngine",
@@ -282,7 +285,7 @@ class DCPExecutor:
 
 
 class DCPInferenceEngine(TKNPInferenceEngine):
-    """:class:`~tknp_megatron.engine.TKNPInferenceEngine` with a DCP executor and cache.
+    """:class:`~tknp_megatron.engine.engine.TKNPInferenceEngine` with a DCP executor and cache.
 
     Only :meth:`_build_executor` differs: the pool is one node (one allocator, block
     counts in whole-sequence tokens); requests, scheduling, stepping and metrics are the

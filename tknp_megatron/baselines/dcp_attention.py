@@ -22,10 +22,16 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..attention.base import AttentionMetadata
-from ..attention.paging import gather_pages
-from ..attention.triton_paged import (
-    TritonConfig, _interpreting, _next_pow2, _num_sms, _supports, choose_num_splits, triton_importable,
+from tknp_megatron.attention.base import AttentionMetadata
+from tknp_megatron.attention.paging import gather_pages
+from tknp_megatron.attention.triton_paged import (
+    TritonConfig,
+    _interpreting,
+    _next_pow2,
+    _num_sms,
+    _supports,
+    choose_num_splits,
+    triton_importable,
 )
 
 __all__ = [
@@ -160,7 +166,9 @@ def partial_attention_triton(
     Returns:
         ``(out [rows, Hq, d], lse [rows, Hq])`` fp32, as :func:`partial_attention`.
     """
-    from ..attention import triton_kernels as kernels  # lazy: honours TRITON_INTERPRET set by then
+    from tknp_megatron.attention import (
+        triton_kernels as kernels,  # lazy: honours TRITON_INTERPRET set by then
+    )
 
     rows, heads, d = q.shape
     if rows != meta.local_lens.shape[0]:

@@ -13,7 +13,7 @@ Megatron's fused weight holds, per query group g, the rows ``[q heads of g ..., 
 (``d_h`` rows each). :meth:`DCPQKVLinear.sharded_state_dict` maps the local rows back onto
 that same global tensor and key (one fragment per head, like Megatron's SwiGLU factory
 maps one parameter onto two fragments), so checkpoints and
-:func:`tknp_megatron.weights.fill_seeded_` give exactly the reference's weights.
+:func:`tknp_megatron.models.weights.fill_seeded_` give exactly the reference's weights.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-from ..model import StageModel, padded_vocab_size
+from tknp_megatron.models.model import StageModel, padded_vocab_size
 
 __all__ = ["DCPQKVLinear", "dcp_degree", "build_dcp_model"]
 
@@ -112,7 +112,7 @@ def build_dcp_model(preset, layers, *, pre_process: bool, post_process: bool, tp
                     params_dtype: torch.dtype, device: torch.device, tp_group=None) -> StageModel:
     """Megatron's StageModel with TP = W and every layer's ``linear_qkv`` a DCPQKVLinear.
 
-    Built on the meta device like :func:`tknp_megatron.model.build_stage_model`; the swap
+    Built on the meta device like :func:`tknp_megatron.models.model.build_stage_model`; the swap
     happens before allocation, so Megatron's uneven fused split is never materialised.
     """
     config = preset.to_transformer_config(

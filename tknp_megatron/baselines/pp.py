@@ -19,17 +19,17 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from ..attention import get_backend
-from ..dense import finish_layer, qkv_projection, vocab_logits
-from ..engine import TKNPInferenceEngine
-from ..engine_setup import kv_cache_spec, pool_block_counts
-from ..executor import StepOutput, draw_tokens
-from ..kv_cache import PagedKVCache
-from ..owner_attention import OwnerAttention
-from ..plan import STOP_PLAN, StepPlan, build_plan
-from ..rope import Rope
-from ..step_inputs import prepare_inputs
-from ..synthetic import synthetic_kv
+from tknp_megatron.attention import get_backend
+from tknp_megatron.engine.engine import TKNPInferenceEngine
+from tknp_megatron.engine.kv_budget import kv_cache_spec, pool_block_counts
+from tknp_megatron.executor.dense import finish_layer, qkv_projection, vocab_logits
+from tknp_megatron.executor.owner_attention import OwnerAttention
+from tknp_megatron.executor.rope import Rope
+from tknp_megatron.executor.step_inputs import prepare_inputs
+from tknp_megatron.executor.synthetic import synthetic_kv
+from tknp_megatron.executor.tknp import StepOutput, draw_tokens
+from tknp_megatron.kv_cache import PagedKVCache
+from tknp_megatron.plan import STOP_PLAN, StepPlan, build_plan
 
 __all__ = ["PPExecutor", "PPInferenceEngine"]
 

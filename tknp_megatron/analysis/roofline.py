@@ -1,0 +1,143 @@
+"""Predicted decode-step time per parallel mode, from per-op costs measured on an H200.
+
+A step gives every resident request one token. Per layer each mode pays dense work
+(weight reads amortised over its batch), attention (reading the KV it holds), and its
+communication; layers run in sequence. The per-op costs are calibrated on the lent
+H200s (``../shared/DEVICE.md`` and ``benchmarks/RESULTS.md``): a Llama-70B layer's
+bf16 GEMMs take 400 us up to B=32, 478 us at 64 and 619 us at 128 on one GPU (scaled by
+weight bytes for other shapes and TP slices), KV is read at 4.3 TB/s, an all-reduce of
+[B, D] costs 20 us + bytes / 336 GB/s, and a graphed root<->owner exchange 21 us +
+bytes / 336 GB/s per direction. Benchmarks report measured / predicted per mode, so an
+implementation gap is told apart from the physics.
+
+``tknp-dual`` models :mod:`tknp_megatron.executor.dual_root`'s schedule: per layer two half-phases,
+each bounded by a root running one microbatch's dense work plus its own owner share of
+the other microbatch's attention. With dense cost nearly flat in the batch this is
+slower than the single-copy step; what the schedule can hide (exchange latency and the
+non-root GPUs' idle time during dense work) is below this model's resolution.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from tknp_megatron.config import ModelPreset
+
+__all__ = ["Hardware", "H200", "predicted_step_s"]
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Per-op cost constants of one GPU type.
+
+    Attributes:
+        dense_rows: batch sizes of the dense calibration points.
+        dense_s: seconds for one Llama-70B layer's GEMMs at those batch sizes (one GPU).
+        dense_ref_bytes: weight bytes of that layer (bf16).
+        kv_bw: bytes/s at which attention reads KV.
+        link_bw: bytes/s between GPUs (NVLink, one direction).
+        collective_s: fixed latency of an all-reduce.
+        p2p_s: fixed latency of a graphed point-to-point exchange.
+    """
+
+    dense_rows: tuple = (32, 64, 128)
+    dense_s: tuple = (400e-6, 478e-6, 619e-6)
+    dense_ref_bytes: float = 1_711_276_032.0  # one Llama-3.1-70B layer's linear weights, bf16
+    kv_bw: float = 4.3e12
+    link_bw: float = 336e9
+    collective_s: float = 20e-6
+    p2p_s: float = 21e-6
+
+
+H200 = Hardware()
+
+
+def _dense_s(hw: Hardware, rows: float, weight_bytes: float) -> float:
+    """GEMM time of ``weight_bytes`` of weights over ``rows`` rows, from the calibration."""
+    if rows <= 0:
+        return 0.0
+    xs, ys = hw.dense_rows, hw.dense_s
+    if rows <= xs[0]:
+        t = ys[0]
+    elif rows >= xs[-1]:
+        t = ys[-1] * rows / xs[-1]
+    else:
+        i = bisect.bisect_left(xs, rows)
+        f = (rows - xs[i - 1]) / (xs[i] - xs[i - 1])
+        t = ys[i - 1] + f * (ys[i] - ys[i - 1])
+    return t * weight_bytes / hw.dense_ref_bytes
+
+
+def _layer_weight_bytes(preset: ModelPreset, elem: int = 2) -> float:
+    return elem * sum(preset.layer_linear_params().values())
+
+
+def _kv_bytes(preset: ModelPreset, tokens: float, kv_heads: float, elem: int = 2) -> float:
+    """One layer's K and V bytes for ``tokens`` tokens of ``kv_heads`` heads."""
+    return 2 * elem * tokens * kv_heads * preset.kv_channels
+
+
+def _allreduce_s(hw: Hardware, rows: float, preset: ModelPreset, ranks: int) -> float:
+    if ranks <= 1:
+        return 0.0
+    return hw.collective_s + 2 * rows * preset.hidden_size * 2 * (ranks - 1) / ranks / hw.link_bw
+
+
+def _logits_s(hw: Hardware, preset: ModelPreset, rows: float, tp: int) -> float:
+    return _dense_s(hw, rows, 2.0 * preset.vocab_size * preset.hidden_size / tp)
+
+
+def predicted_step_s(
+    mode: str,
+    preset: ModelPreset,
+    world: int,
+    tp: int,
+    batch: float,
+    context: float,
+    hw: Hardware = H200,
+) -> float:
+    """Seconds for one decode step of ``batch`` resident requests at ``context`` tokens.
+
+    ``world`` GPUs in all, ``tp`` per node (TKNP, DP, PP); TP and DCP use all of them.
+    For DP ``batch`` is the whole pool's (split evenly over the replicas); for PP the
+    step is the time for every resident request to get one token in steady state.
+    """
+    L, hkv = preset.num_layers, preset.num_query_groups
+    w = _layer_weight_bytes(preset)
+    nodes = world // tp
+    if mode == "tknp":
+        per_owner = batch / nodes
+        exch = 2 * (hw.p2p_s + per_owner * (preset.qkv_width + preset.num_attention_heads
+                                             * preset.kv_channels) * 2 / tp / hw.link_bw)
+        layer = (_dense_s(hw, batch, w / tp) + 2 * _allreduce_s(hw, batch, preset, tp)
+                 + _kv_bytes(preset, per_owner * context, hkv / tp) / hw.kv_bw
+                 + (exch if nodes > 1 else 0.0))
+        return L * layer + _logits_s(hw, preset, batch, tp)
+    if mode == "tknp-dual":
+        # two microbatches half a layer apart: per half-phase the busiest node is a root
+        # running one microbatch's dense work and its own share of the other's attention
+        per_owner = batch / (2 * nodes)
+        exch = 2 * (hw.p2p_s + per_owner * (preset.qkv_width + preset.num_attention_heads
+                                             * preset.kv_channels) * 2 / tp / hw.link_bw)
+        half = (_dense_s(hw, batch / 2, w / tp) + 2 * _allreduce_s(hw, batch / 2, preset, tp)
+                + _kv_bytes(preset, per_owner * context, hkv / tp) / hw.kv_bw + exch)
+        return L * 2 * half + 2 * _logits_s(hw, preset, batch / 2, tp)
+    if mode == "dp":
+        b = batch / nodes
+        layer = (_dense_s(hw, b, w / tp) + 2 * _allreduce_s(hw, b, preset, tp)
+                 + _kv_bytes(preset, b * context, hkv / tp) / hw.kv_bw)
+        return L * layer + _logits_s(hw, preset, b, tp)
+    if mode in ("tp", "dcp"):
+        heads = hkv / world if mode == "dcp" or world <= hkv else 1.0  # TP replicates past Hkv
+        layer = (_dense_s(hw, batch, w / world) + 2 * _allreduce_s(hw, batch, preset, world)
+                 + _kv_bytes(preset, batch * context, heads) / hw.kv_bw)
+        if mode == "dcp":
+            layer += 2 * hw.collective_s  # query all-gather and partial-output merge
+        return L * layer + _logits_s(hw, preset, batch, world)
+    if mode == "pp":
+        mb = batch / nodes  # about N microbatches; each stage runs L/N layers per microbatch
+        layer = (_dense_s(hw, mb, w / tp) + 2 * _allreduce_s(hw, mb, preset, tp)
+                 + _kv_bytes(preset, mb * context, hkv / tp) / hw.kv_bw)
+        return nodes * (L / nodes) * layer + _logits_s(hw, preset, batch, tp)
+    raise ValueError(f"unknown mode {mode!r}")

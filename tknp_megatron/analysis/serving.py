@@ -1,0 +1,184 @@
+"""One trace, every parallel mode: build a mode's pool, replay a workload, collect metrics.
+
+Modes (paper section 5.1), for a world of W ranks with T ranks per node:
+  tknp  one TKNP pool, N = W / T nodes x TP T
+  tknp-dual  the same with dual-active-root microbatching (two weight copies, N even)
+  dp    W / T independent replicas (pools of one node x TP T); requests round-robin
+  tp    one pool, one node, TP over all W ranks
+  pp    W / T pipeline stages x TP T, about W / T microbatches in flight
+  dcp   one pool, TP over all W ranks, KV sharded by sequence (needs W > KV heads: run
+        it on an MQA variant, and TKNP on the same variant for comparison)
+Prompts' KV arrives from "outside" (synthetic, identical in every mode), so runs measure
+decode only; metrics count from the workload's release (DESIGN.md section 8). CUDA
+graphs, when asked for, apply to TKNP, DP and TP; the PP and DCP baselines run eagerly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import gc
+import time
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+import parallel_state as ps
+from tknp_megatron.analysis.metrics import ServingMetrics, summarize
+from tknp_megatron.analysis.workload import Workload, prompt_tokens
+from tknp_megatron.config import ModelPreset
+from tknp_megatron.engine.engine import Arrival, EngineConfig, TKNPInferenceEngine
+from tknp_megatron.models.model import build_rank_model
+from tknp_megatron.models.weights import fill_seeded_
+from tknp_megatron.placement import balanced_placement
+from tknp_megatron.sampling import SamplingParams
+
+__all__ = ["Mode", "ModeRun", "run_mode"]
+
+
+class Mode(str, enum.Enum):
+    TKNP = "tknp"
+    TKNP_DUAL = "tknp-dual"
+    DP = "dp"
+    TP = "tp"
+    PP = "pp"
+    DCP = "dcp"
+
+
+@dataclass(frozen=True)
+class ModeRun:
+    """A mode's result on one workload (merged over its pools)."""
+
+    mode: Mode
+    workload: str
+    metrics: ServingMetrics
+    outputs: tuple  # generated tokens per request id
+    kv_capacity_tokens: tuple  # per pool, per owner
+    resident_batch_mean: float  # requests resident per step, summed over pools
+    host_ms_per_step: tuple = ()  # per rank: host work per step (LoopTiming)
+    wait_ms_per_step: tuple = ()  # per rank: waiting per step (coordinators: for the GPU)
+
+
+def _layout(mode: Mode, world: int, tp: int):
+    """``(num_pools, nodes, tp)`` of a mode."""
+    if mode in (Mode.TKNP, Mode.TKNP_DUAL, Mode.PP):
+        return 1, world // tp, tp
+    if mode is Mode.DP:
+        return world // tp, 1, tp
+    return 1, 1, world
+
+
+def _engine(mode: Mode, preset: ModelPreset, groups, config: EngineConfig, dtype, device, seed):
+    """Build this rank's part of ``mode`` with seeded weights."""
+    placement = balanced_placement(preset, groups.num_nodes, dual=mode is Mode.TKNP_DUAL)
+    if mode is Mode.TKNP_DUAL:
+        config = dataclasses.replace(config, microbatches=2)
+    if mode in (Mode.PP, Mode.DCP):  # these baselines run eagerly
+        config = dataclasses.replace(config, cuda_graphs=False)
+    if mode is Mode.DCP:
+        from tknp_megatron.baselines.dcp import DCPInferenceEngine, init_dcp_groups
+        from tknp_megatron.baselines.dcp_qkv import build_dcp_model
+
+        dcp = init_dcp_groups(groups, preset.num_query_groups)
+        model = build_dcp_model(preset, range(preset.num_layers), pre_process=True, post_process=True,
+                                tp=groups.tp_size, params_dtype=dtype, device=device)
+        fill_seeded_(model, preset, seed)
+        return DCPInferenceEngine(model, preset, groups, dcp, config, device)
+    model = build_rank_model(preset, placement, groups, dtype, device)
+    fill_seeded_(model, preset, seed)
+    if mode is Mode.PP:
+        from tknp_megatron.baselines.pp import PPInferenceEngine
+
+        return PPInferenceEngine(model, preset, placement, groups, config, device)
+    return TKNPInferenceEngine(model, preset, placement, groups, config, device)
+
+
+def _arrivals(workload: Workload, vocab: int, seed: int, pool: int, pools: int) -> List[Arrival]:
+    """This pool's share (round-robin by request id) of the trace, with synthetic KV."""
+    out = []
+    for req in workload.requests:
+        if req.request_id % pools != pool:
+            continue
+        # the prompt's KV "arrives from prefill": only its last token is fed to the pool
+        prompt = tuple(prompt_tokens(req, vocab, seed))
+        params = SamplingParams(max_new_tokens=req.output_len)
+        out.append(Arrival(req.arrival_s, prompt, params, req.request_id, synthetic_kv=seed + req.request_id))
+    return out
+
+
+def _warm_up(engine, workload: Workload, vocab: int, seed: int, pools: int) -> None:
+    """Serve the trace's first requests for a few tokens, unmeasured: compiles kernels,
+    starts communicators and captures the decode graphs of the trace's layouts."""
+    warm = dataclasses.replace(workload, requests=tuple(
+        dataclasses.replace(r, output_len=min(r.output_len, 4), arrival_s=0.0)
+        for r in workload.requests
+    ))
+    if engine.groups.is_coordinator:
+        engine.release_trace(_arrivals(warm, vocab, seed, engine.groups.pool, pools))
+        engine.run_until_done()
+        engine.requests.clear()
+        engine.resident_log.clear()
+        engine.scheduler.waves = 0
+    else:
+        engine.serve()
+    engine.loop_timing.clear()
+
+
+def run_mode(
+    mode: Mode,
+    preset: ModelPreset,
+    workload: Workload,
+    config: EngineConfig,
+    tp: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+) -> Optional[ModeRun]:
+    """Build ``mode`` over the whole world, replay ``workload``; global rank 0 gets the run."""
+    pools, nodes, t = _layout(mode, dist.get_world_size(), tp)
+    groups = ps.initialize_model_parallel(tensor_model_parallel_size=t, token_parallel_size=nodes,
+                                          num_pools=pools)
+    try:
+        engine = _engine(mode, preset, groups, config, dtype, device, seed)
+        _warm_up(engine, workload, preset.vocab_size, seed, pools)
+        arrivals = _arrivals(workload, preset.vocab_size, seed, groups.pool, pools)
+        dist.barrier()
+        t0 = time.perf_counter()  # one clock for every process on the host
+        if groups.is_coordinator:
+            engine.release_trace(arrivals, t0)
+            engine.run_until_done()
+            mine = ([r.timeline for r in engine.requests.values()],
+                    {rid: tuple(r.generated) for rid, r in engine.requests.items()},
+                    engine.scheduler.waves, tuple(engine.kv_capacity_tokens),
+                    sum(engine.resident_log) / max(1, len(engine.resident_log)))
+        else:
+            engine.serve()
+            mine = None
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        timings = [None] * dist.get_world_size()
+        dist.all_gather_object(timings, engine.loop_timing.per_step_ms())
+    finally:
+        engine = None
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        ps.destroy_model_parallel()
+    if dist.get_rank() != 0:
+        return None
+    run = _merge(mode, workload, [m for m in every if m is not None])
+    return dataclasses.replace(run, host_ms_per_step=tuple(t[0] for t in timings),
+                               wait_ms_per_step=tuple(t[1] for t in timings))
+
+
+def _merge(mode: Mode, workload: Workload, parts) -> ModeRun:
+    timelines = [tl for p in parts for tl in p[0]]
+    outputs = {}
+    for p in parts:
+        outputs.update(p[1])
+    metrics = summarize(timelines, max(p[2] for p in parts))
+    ordered = tuple(outputs[i] for i in sorted(outputs))
+    resident = sum(p[4] for p in parts)
+    return ModeRun(mode, workload.name, metrics, ordered, tuple(p[3] for p in parts), resident)

@@ -1,0 +1,66 @@
+"""The engine's knobs and the per-request result it returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from tknp_megatron.analysis.metrics import RequestStatus
+from tknp_megatron.engine.scheduler import LoadPolicy
+
+__all__ = ["EngineConfig", "GenerationResult"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine knobs.
+
+    Attributes:
+        block_size: tokens per KV block.
+        kv_tokens_per_node: KV budget per node in tokens (CPU); None sizes the cache
+            from free GPU memory after weights.
+        gpu_memory_utilization: fraction of GPU memory the process may use in total.
+        gpu_memory_cap_gib: if set, size the KV cache as if each GPU had only this much
+            memory (weights included): a smaller model then reproduces a large model's
+            capacity regime.
+        max_requests_per_node: request slots per node.
+        max_prefill_tokens: prompt tokens admitted per step.
+        policy: owner choice among eligible nodes (``usage`` or ``reserved``).
+        attention_backend: backend name; None picks the device default.
+        record_logits: return each generated token's logits (tests).
+        cuda_graphs: replay decode steps from CUDA graphs (on CPU: the same bucketed,
+            padded decode path, run eagerly).
+        microbatches: 2 runs dual-active-root microbatching (needs a dual placement;
+            :mod:`tknp_megatron.executor.dual_root`), 1 the single-copy schedule.
+    """
+
+    block_size: int = 16
+    kv_tokens_per_node: Optional[int] = None
+    gpu_memory_utilization: float = 0.9
+    gpu_memory_cap_gib: Optional[float] = None
+    max_requests_per_node: int = 256
+    max_prefill_tokens: int = 16384
+    policy: LoadPolicy = LoadPolicy.USAGE
+    attention_backend: Optional[str] = None
+    record_logits: bool = False
+    cuda_graphs: bool = False
+    microbatches: int = 1
+
+    def __post_init__(self):
+        if self.microbatches not in (1, 2):
+            raise ValueError(f"microbatches must be 1 or 2 (dual active roots), got {self.microbatches}")
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """How one request ended."""
+
+    request_id: int
+    status: RequestStatus
+    prompt_tokens: tuple
+    tokens: tuple
+    owner: int
+    reject_reason: Optional[str] = None
+    logits: Optional[torch.Tensor] = None

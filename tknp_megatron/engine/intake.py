@@ -1,0 +1,90 @@
+"""What the engine checks before a request reaches the scheduler, and trace replay.
+
+:func:`request_problem` names the request and the limit it breaks; a request with a
+problem is rejected at once and never scheduled. :class:`ArrivalQueue` replays a trace:
+each :class:`Arrival` is submitted once its time since the trace's release has passed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+from tknp_megatron.config import ModelPreset
+from tknp_megatron.engine.request import Request
+from tknp_megatron.sampling import SamplingParams
+
+__all__ = ["Arrival", "ArrivalQueue", "request_problem"]
+
+
+def request_problem(req: Request, preset: ModelPreset, max_fit_tokens: int) -> Optional[str]:
+    """Why ``req`` can never be served (naming the request and the limit), or None.
+
+    ``max_fit_tokens`` is the largest reservation any owner can ever hold.
+    """
+    rid, prompt, p = req.request_id, req.prompt, req.params
+    vocab, max_len = preset.vocab_size, preset.gpt.max_sequence_length
+    if not prompt:
+        return f"request {rid}: empty prompt"
+    ids = torch.as_tensor(prompt, dtype=torch.int64)
+    outside = (ids < 0) | (ids >= vocab)
+    if bool(outside.any()):
+        bad = int(ids[outside][0])
+        return f"request {rid}: token id {bad} outside the vocabulary [0, {vocab})"
+    problems = p.problems()
+    if problems:
+        return f"request {rid}: " + "; ".join(problems)
+    if req.reserved_tokens > max_len:
+        return (
+            f"request {rid}: prompt {len(prompt)} + max_new_tokens {p.max_new_tokens} = "
+            f"{req.reserved_tokens} tokens exceeds max_sequence_length {max_len}"
+        )
+    if req.reserved_tokens > max_fit_tokens:
+        return (
+            f"request {rid}: needs {req.reserved_tokens} KV tokens (prompt {len(prompt)} + "
+            f"max_new_tokens {p.max_new_tokens}), more than any node holds ({max_fit_tokens} tokens)"
+        )
+    if req.kv is not None and tuple(req.kv.shape[:3]) != (preset.num_layers, 2, len(prompt) - 1):
+        return f"request {rid}: kv shape {tuple(req.kv.shape)} does not cover prompt[:-1]"
+    return None
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """A request that enters the queue ``time_s`` after the trace is released."""
+
+    time_s: float
+    prompt: tuple
+    params: SamplingParams
+    request_id: int
+    synthetic_kv: Optional[int] = None
+
+
+class ArrivalQueue:
+    """Arrivals not yet submitted, released against ``clock``."""
+
+    def __init__(self, clock: Callable[[], float]):
+        self.clock = clock
+        self.t0 = 0.0
+        self._pending: List[Arrival] = []  # latest first
+
+    def __bool__(self) -> bool:
+        return bool(self._pending)
+
+    def load(self, arrivals: Sequence[Arrival], t0: float) -> None:
+        self.t0 = t0
+        self._pending = sorted(arrivals, key=lambda a: a.time_s, reverse=True)
+
+    def due(self) -> List[Arrival]:
+        """Arrivals whose time has come, in arrival order."""
+        now, out = self.clock(), []
+        while self._pending and self.t0 + self._pending[-1].time_s <= now:
+            out.append(self._pending.pop())
+        return out
+
+    def sleep_until_next(self) -> None:
+        if self._pending:
+            time.sleep(max(0.0, self.t0 + self._pending[-1].time_s - self.clock()))

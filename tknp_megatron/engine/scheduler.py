@@ -1,0 +1,174 @@
+"""Capacity-aware continuous batching (paper 4.2, DESIGN section 8).
+
+A waiting request goes, in arrival order, to the eligible node with the lowest KV load;
+eligible means the node has a free request slot and free blocks for prompt + max new
+tokens on all its TP ranks (every rank of a node has the same block count: the node's
+minimum). If the head of the queue fits nowhere it waits, and so does everyone behind it
+(FCFS): admissions then come in waves as running requests complete and free their
+blocks. Ownership is fixed until completion.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Deque, List, Sequence, Tuple
+
+from tknp_megatron.engine.request import Request
+from tknp_megatron.kv_cache import BlockAllocator
+from tknp_megatron.plan import Admission
+
+__all__ = ["LoadPolicy", "SchedulerConfig", "ScheduleResult", "Scheduler"]
+
+
+class LoadPolicy(str, enum.Enum):
+    """How a node's KV load is measured when choosing an owner."""
+
+    USAGE = "usage"  # context tokens of its requests (cached, or being prefilled now)
+    RESERVED = "reserved"  # tokens reserved (prompt + max new) by its requests
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Scheduler knobs.
+
+    Attributes:
+        policy: load measure for choosing among eligible nodes.
+        max_requests_per_node: request slots per node (block-table rows).
+        max_prefill_tokens: prompt tokens admitted per step (in-pool prefill budget);
+            the first admission of a step is always allowed.
+    """
+
+    policy: LoadPolicy = LoadPolicy.USAGE
+    max_requests_per_node: int = 256
+    max_prefill_tokens: int = 1 << 30
+
+    def __post_init__(self):
+        if self.max_requests_per_node < 1:
+            raise ValueError("max_requests_per_node must be >= 1")
+        object.__setattr__(self, "policy", LoadPolicy(self.policy))
+
+
+@dataclass(frozen=True)
+class ScheduleResult:
+    """Requests admitted this step (with their admissions) and the whole step batch."""
+
+    admitted: Tuple[Request, ...]
+    admissions: Tuple[Admission, ...]
+    batch: Tuple[Request, ...]
+
+
+class Scheduler:
+    """Owns the waiting queue, the running set and one block allocator per node."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        allocators: Sequence[BlockAllocator],
+        clock: Callable[[], float],
+    ):
+        self.config = config
+        self.allocators = list(allocators)
+        self.clock = clock
+        self.waiting: Deque[Request] = deque()
+        self.running: List[List[Request]] = [[] for _ in self.allocators]
+        self._free_slots = [
+            deque(range(config.max_requests_per_node)) for _ in self.allocators
+        ]
+        self.waves = 0
+        self._blocked = False
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.allocators)
+
+    def max_fit_tokens(self) -> int:
+        """Largest reservation any node could ever hold."""
+        return max(a.capacity_tokens for a in self.allocators)
+
+    def enqueue(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(self.running)
+
+    def num_running(self) -> int:
+        return sum(len(r) for r in self.running)
+
+    def load(self, node: int) -> int:
+        """KV load of ``node`` under the configured policy, in tokens."""
+        reqs = self.running[node]
+        if self.config.policy is LoadPolicy.RESERVED:
+            return sum(r.reserved_tokens for r in reqs)
+        return sum(len(r.prompt) + len(r.generated) for r in reqs)
+
+    def _eligible(self, request: Request) -> List[int]:
+        need = request.reserved_tokens
+        return [
+            n
+            for n, alloc in enumerate(self.allocators)
+            if self._free_slots[n] and alloc.can_allocate(need)
+        ]
+
+    def _admit(self, request: Request, node: int) -> Admission:
+        request.owner = node
+        request.slot = self._free_slots[node].popleft()
+        request.blocks = self.allocators[node].allocate(request.reserved_tokens)
+        request.timeline.first_scheduled = self.clock()
+        self.running[node].append(request)
+        ingest = len(request.prompt) - 1 if request.ingested else 0
+        request.num_cached = ingest
+        return Admission(
+            request.request_id,
+            node,
+            request.slot,
+            tuple(request.blocks),
+            ingest_len=ingest,
+            synthetic_seed=request.synthetic_kv,
+        )
+
+    def schedule(self) -> ScheduleResult:
+        """Admit what fits (FCFS), then return this step's batch: every running request
+        with tokens still to schedule (one whose last token is in flight waits for
+        its booking to leave ``running``)."""
+        admitted, admissions = [], []
+        budget = self.config.max_prefill_tokens
+        while self.waiting:
+            request = self.waiting[0]
+            cost = len(request.pending_tokens())
+            nodes = self._eligible(request)
+            if not nodes:
+                self._blocked = True
+                break
+            if admitted and cost > budget:
+                break
+            if self._blocked or self.waves == 0:
+                self.waves += 1
+                self._blocked = False
+            node = min(nodes, key=lambda n: (self.load(n), n))
+            self.waiting.popleft()
+            admissions.append(self._admit(request, node))
+            admitted.append(request)
+            budget -= cost
+        batch = tuple(r for reqs in self.running for r in reqs if r.needs_step())
+        return ScheduleResult(tuple(admitted), tuple(admissions), batch)
+
+    def finish(self, request: Request) -> None:
+        """Release a completed request's blocks and slot."""
+        node = request.owner
+        self.running[node].remove(request)
+        self.allocators[node].free(request.blocks)
+        self._free_slots[node].append(request.slot)
+        request.blocks = []
+
+    def kv_utilization(self) -> List[float]:
+        """Per node: fraction of KV tokens currently cached."""
+        return [
+            sum(r.num_cached for r in self.running[n]) / max(1, a.capacity_tokens)
+            for n, a in enumerate(self.allocators)
+        ]
+
+    def reserved_fraction(self) -> List[float]:
+        """Per node: fraction of KV blocks reserved."""
+        return [1 - a.num_free / max(1, a.num_blocks) for a in self.allocators]

@@ -1,0 +1,89 @@
+"""CUDA graphs of the whole decode step, one per ownership layout bucket.
+
+A decode step's shapes are fixed by the rows each owner holds. Every owner's request
+count is padded to one bucket (:func:`~tknp_megatron.executor.step_inputs.pad_plan`), so a graph
+is keyed by the padded ownership layout and the sampling mode.
+Every rank derives the same key from the broadcast plan, so all ranks capture (and warm
+up, which runs the step's collectives) together. Capture uses the executor's own
+``forward``; replays copy the step's inputs into the captured buffers. With
+``capture=False`` (CPU tests) the same padded inputs run eagerly, which checks the
+padding and bucketing without a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+
+from tknp_megatron.executor.step_inputs import StepInputs
+from tknp_megatron.host_to_device import to_device
+from tknp_megatron.plan import StepPlan
+
+__all__ = ["DecodeGraphs"]
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    inputs: object  # the executor's static inputs (StepInputs, or one per microbatch)
+    tokens: torch.Tensor
+
+
+class DecodeGraphs:
+    """Captured decode steps of one executor."""
+
+    WARMUP = 2
+
+    def __init__(self, executor, capture: bool = True):
+        self.ex = executor
+        self.capture = capture
+        spec = executor.kv.spec
+        self.max_seq_len = spec.max_blocks_per_seq * spec.block_size
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.captured: Dict[object, _Captured] = {}  # keyed by the executor's padded layout
+
+    def run(self, plan: StepPlan, last_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Replay (capturing on first sight) the step of a pure-decode ``plan``: ``[R]`` tokens.
+
+        ``last_tokens``: the previous step's tokens, for rows the plan feeds from them.
+        The executor pads the plan and prepares the inputs (``graph_inputs``) and runs the
+        captured body (``graph_forward``).
+        """
+        ex = self.ex
+        key, inputs, index = ex.graph_inputs(plan, last_tokens, self.max_seq_len)
+        (index,) = to_device((index,), ex.device)
+        if not self.capture:
+            return ex.graph_forward(inputs).index_select(0, index)
+        entry = self.captured.get(key)
+        if entry is None:
+            entry = self._capture(inputs)
+            self.captured[key] = entry
+        else:
+            _copy_inputs(entry.inputs, inputs)
+        entry.graph.replay()
+        return entry.tokens.index_select(0, index)
+
+    def _capture(self, inputs) -> _Captured:
+        """Warm up on a side stream (compiles kernels, starts communicators), then capture."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(self.WARMUP):
+                self.ex.graph_forward(inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            tokens = self.ex.graph_forward(inputs)
+        return _Captured(graph, inputs, tokens)
+
+
+def _copy_inputs(dst, src) -> None:
+    """Fill captured (static) inputs from a new step's: one StepInputs or a tuple of them."""
+    if isinstance(dst, StepInputs):
+        dst.copy_(src)
+        return
+    for d, s in zip(dst, src):
+        if d is not None:
+            d.copy_(s)

@@ -1,0 +1,54 @@
+"""An owner's attention for one layer: split QKV, RoPE, append K/V, paged attention.
+
+Input is this TP rank's fused QKV columns for the owner's rows, in Megatron's layout
+(per query group: its query heads, then k, then v); output is ``[rows, heads * d]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tknp_megatron.attention import AttentionBackend
+from tknp_megatron.executor.rope import Rope
+from tknp_megatron.kv_cache import PagedKVCache
+
+__all__ = ["OwnerAttention"]
+
+
+class OwnerAttention:
+    """Attention of one rank over its paged KV cache.
+
+    Args:
+        kv: this rank's cache.
+        rope: RoPE.
+        backend: attention backend.
+        heads: query heads on this TP rank.
+        kv_heads: KV heads on this TP rank.
+        head_dim: d_h.
+    """
+
+    def __init__(self, kv: PagedKVCache, rope: Rope, backend: AttentionBackend,
+                 heads: int, kv_heads: int, head_dim: int):
+        self.kv, self.rope, self.backend = kv, rope, backend
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+
+    @property
+    def qkv_width(self) -> int:
+        return (self.heads + 2 * self.kv_heads) * self.head_dim
+
+    def __call__(self, cache_layer: int, qkv: torch.Tensor, inp) -> torch.Tensor:
+        """``[rows, qkv_width]`` -> ``[rows, heads * d]``; ``inp`` is the step's StepInputs."""
+        rows = qkv.shape[0]
+        per_group = self.heads // self.kv_heads
+        mixed = qkv.view(rows, self.kv_heads, per_group + 2, self.head_dim)
+        # one RoPE call rotates each group's query heads and its key head together
+        qk = mixed[:, :, : per_group + 1].reshape(rows, self.kv_heads * (per_group + 1), self.head_dim)
+        qk = self.rope.apply(qk, inp.freqs).view(rows, self.kv_heads, per_group + 1, self.head_dim)
+        q = qk[:, :, :per_group].reshape(rows, self.heads, self.head_dim)
+        k = qk[:, :, per_group]
+        v = mixed[:, :, per_group + 1]
+        self.kv.write(cache_layer, k, v, inp.slot_mapping)
+        k_cache, v_cache = self.kv.layer(cache_layer)
+        out = self.backend.forward(q, k_cache, v_cache, inp.meta, self.scale)
+        return out.reshape(rows, self.heads * self.head_dim)

@@ -1,0 +1,251 @@
+"""One TKNP step over all layers, run by every rank in its role for each layer.
+
+For layer l with active root b(l) (DESIGN section 7):
+  root:   input norm + QKV projection for the whole batch (TP inside the node)
+  comm:   scatter each owner's QKV rows (matching TP ranks)
+  owners: RoPE, append K/V to the local paged cache, attention for their own requests
+  comm:   gather attention outputs to the root, in batch order
+  root:   output projection (TP all-reduce), residual, pre-MLP norm, MLP, residual
+At block boundaries the hidden state moves to the next root; the last root computes
+logits and samples; the sampled tokens are broadcast to every rank.
+
+:meth:`TKNPExecutor.forward` is the whole layer loop over prepared inputs; it has no host
+work, so decode steps replay it from CUDA graphs (:mod:`tknp_megatron.executor.cuda_graphs`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from parallel_state import TokenParallelGroups
+from tknp_megatron.attention import AttentionBackend
+from tknp_megatron.executor.comm import TokenParallelComm
+from tknp_megatron.executor.dense import finish_layer, qkv_projection, vocab_logits
+from tknp_megatron.executor.owner_attention import OwnerAttention
+from tknp_megatron.executor.rope import Rope
+from tknp_megatron.executor.step_inputs import StepInputs, pad_plan, prepare_inputs
+from tknp_megatron.executor.synthetic import synthetic_kv
+from tknp_megatron.kv_cache import PagedKVCache
+from tknp_megatron.models.model import StageModel
+from tknp_megatron.placement import Placement
+from tknp_megatron.plan import Admission, StepPlan
+from tknp_megatron.profiler import PhaseTimer
+from tknp_megatron.sampling import SamplingTensors, greedy, sample
+
+__all__ = ["StepOutput", "TKNPExecutor", "draw_tokens"]
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """Sampled tokens ``[R]`` (batch order) and, if recorded, logits ``[R, vocab]``."""
+
+    tokens: torch.Tensor
+    logits: Optional[torch.Tensor] = None
+
+
+class TKNPExecutor:
+    """Runs step plans for one rank.
+
+    Args:
+        model: the blocks this rank stores (Megatron modules).
+        placement: layer blocks and roots.
+        groups: this rank's TP / token-parallel groups.
+        kv: this rank's paged KV cache.
+        rope: RoPE for owners.
+        attention: attention backend for owners.
+        vocab_size: unpadded vocabulary (padded logits are cut before sampling).
+        device: this rank's device.
+    """
+
+    def __init__(
+        self,
+        model: StageModel,
+        placement: Placement,
+        groups: TokenParallelGroups,
+        kv: PagedKVCache,
+        rope: Rope,
+        attention: AttentionBackend,
+        vocab_size: int,
+        device: torch.device,
+    ):
+        cfg = model.config
+        self.model, self.placement, self.groups, self.kv = model, placement, groups, kv
+        self.rope, self.attention, self.vocab_size, self.device = rope, attention, vocab_size, device
+        self.comm = TokenParallelComm(groups)
+        self.node = groups.node
+        t = groups.tp_size
+        self.heads = cfg.num_attention_heads // t
+        self.groups_local = cfg.num_query_groups // t
+        self.head_dim = cfg.kv_channels
+        self.attend = OwnerAttention(kv, rope, attention, self.heads, self.groups_local, self.head_dim)
+        self.qkv_width = self.attend.qkv_width
+        self.hidden_size = cfg.hidden_size
+        self.dtype = cfg.params_dtype
+        self.last_root = placement.root_of_layer(placement.num_layers - 1)
+        self.local_ingest = {}  # request id -> KV the coordinator keeps for itself
+        self.graphs = None  # set by enable_cuda_graphs
+        self.last_tokens: Optional[torch.Tensor] = None  # [R] previous step's tokens (device)
+
+    def enable_cuda_graphs(self) -> None:
+        """Replay pure-decode steps from CUDA graphs (per ownership-layout bucket).
+
+        Off GPU the bucketed, padded decode path runs eagerly (what the graphs replay).
+        """
+        from tknp_megatron.executor.cuda_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self, capture=self.device.type == "cuda")
+
+    # ---------------------------------------------------------------- step
+    @torch.no_grad()
+    def execute(self, plan: StepPlan, timer: Optional[PhaseTimer] = None) -> StepOutput:
+        """Run ``plan`` on this rank; every rank returns the same :class:`StepOutput`.
+
+        Nothing here waits for the GPU: the returned tokens are still being computed
+        when it returns (the engine reads them after queueing the next step).
+        """
+        self.apply_admissions(plan.admissions)
+        use_graph = self.graphs is not None and timer is None and not plan.record_logits
+        if use_graph and plan.max_query_len == 1:
+            out = StepOutput(self.graphs.run(plan, self.last_tokens))
+        else:
+            inputs = prepare_inputs(plan, self.node, self.kv, self.rope, self.device,
+                                    last_tokens=self.last_tokens)
+            out = StepOutput(*self.forward(inputs, plan.record_logits, timer))
+        self.last_tokens = out.tokens
+        return out
+
+    def forward(self, inp: StepInputs, record_logits: bool = False, timer=None):
+        """The layer loop and sampling over prepared inputs: ``(tokens [R], logits | None)``."""
+        hidden = self._embed(inp) if self.node == self.placement.root_of_layer(0) else None
+        num_layers = self.placement.num_layers
+        for layer in range(num_layers):
+            root = self.placement.root_of_layer(layer)
+            hidden = self._layer(layer, root, hidden, inp, timer)
+            nxt = self.placement.root_of_layer(layer + 1) if layer + 1 < num_layers else root
+            if nxt != root:
+                hidden = self._handoff(hidden, root, nxt, inp)
+                _mark(timer, "handoff")
+        return self._sample(hidden, inp, record_logits)
+
+    # ---------------------------------------------------------------- graphs
+    def graph_inputs(self, plan: StepPlan, last_tokens, max_seq_len: int):
+        """For :class:`~tknp_megatron.executor.cuda_graphs.DecodeGraphs`: ``(layout key, inputs of the
+        padded plan, [R] index of each real request in the padded batch)``."""
+        padded, index = pad_plan(plan, self.kv.dummy_slot)
+        inputs = prepare_inputs(padded, self.node, self.kv, self.rope, self.device, max_seq_len, last_tokens)
+        return inputs.shape, inputs, index
+
+    def graph_forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The captured body: ``[R_padded]`` tokens."""
+        return self.forward(inputs)[0]
+
+    # ---------------------------------------------------------------- owner side
+    def apply_admissions(self, admissions: tuple) -> None:
+        """Write newly admitted requests' block tables (and ingested KV) on their owner."""
+        for adm in admissions:
+            if adm.owner != self.node:
+                continue
+            self.kv.assign(adm.slot, adm.blocks)
+            if adm.ingest_len:
+                self.kv.ingest(adm.slot, self._ingested_kv(adm))
+
+    def _ingested_kv(self, adm: Admission) -> torch.Tensor:
+        """KV for the admitted request's first ``ingest_len`` tokens, this rank's heads."""
+        shape = (self.placement.num_layers, 2, adm.ingest_len, self.groups_local, self.head_dim)
+        if adm.synthetic_seed is not None:
+            g = self.groups_local
+            heads = range(self.groups.tp_rank * g, (self.groups.tp_rank + 1) * g)
+            return synthetic_kv(
+                adm.synthetic_seed, range(self.placement.num_layers),
+                torch.arange(adm.ingest_len, device=self.device), heads, g * self.groups.tp_size, self.head_dim,
+                self.kv.spec.dtype, self.device,
+            )
+        if adm.request_id in self.local_ingest:  # the coordinator owns it
+            return self.local_ingest.pop(adm.request_id)
+        buf = torch.empty(shape, dtype=self.kv.spec.dtype, device=self.device)
+        dist.recv(buf, src=self.groups.coordinator_rank)  # each rank gets its heads (engine.py)
+        return buf
+
+    # ---------------------------------------------------------------- root side
+    def _hidden_buffer(self, rows: int) -> torch.Tensor:
+        return torch.empty(rows, 1, self.hidden_size, dtype=self.dtype, device=self.device)
+
+    def _embed(self, inp: StepInputs) -> torch.Tensor:
+        """``[rows]`` token ids -> ``[rows, 1, D]`` (Megatron's [s, b, h])."""
+        return self.model.embedding(inp.tokens.unsqueeze(0), position_ids=None)
+
+    def _layer(self, layer, root, hidden, inp: StepInputs, timer):
+        is_root = self.node == root
+        block = self.model.layer(layer) if is_root else None
+        qkv = None
+        if is_root:
+            qkv = qkv_projection(block, hidden)
+            _mark(timer, "root_qkv")
+        mine = self._scatter_qkv(qkv, root, inp)
+        _mark(timer, "scatter")
+        attn = self.attend(layer, mine, inp)
+        _mark(timer, "attention")
+        gathered = self._gather_attention(attn, root, inp)
+        _mark(timer, "gather")
+        if not is_root:
+            return None
+        hidden = finish_layer(block, gathered.unsqueeze(1), hidden)
+        _mark(timer, "root_proj_mlp")
+        return hidden
+
+    # ---------------------------------------------------------------- comm
+    def _scatter_qkv(self, qkv: Optional[torch.Tensor], root: int, inp: StepInputs) -> torch.Tensor:
+        """This node's rows ``[own_rows, qkv_width]`` of the root's QKV ``[rows, qkv_width]``."""
+        rows = inp.shape.rows_per_owner
+        mine = torch.empty(rows[self.node], self.qkv_width, dtype=self.dtype, device=self.device)
+        return self.comm.scatter(qkv, root, rows, mine)
+
+    def _gather_attention(self, attn: torch.Tensor, root: int, inp: StepInputs) -> Optional[torch.Tensor]:
+        """Every owner's ``[own_rows, W]`` outputs -> ``[rows, W]`` in batch order on ``root``."""
+        out = None
+        if self.node == root:
+            out = torch.empty(inp.shape.num_rows, attn.shape[1], dtype=self.dtype, device=self.device)
+        return self.comm.gather(attn, root, inp.shape.rows_per_owner, out)
+
+    def _handoff(self, hidden, src: int, dst: int, inp: StepInputs):
+        """Hidden state ``[rows, 1, D]`` from root ``src`` to root ``dst`` (None elsewhere)."""
+        buf = self._hidden_buffer(inp.shape.num_rows) if self.node == dst else None
+        return self.comm.handoff(hidden, src, dst, buf)
+
+    # ---------------------------------------------------------------- sampling
+    def _sample(self, hidden, inp: StepInputs, record_logits: bool, last_root: Optional[int] = None):
+        """Logits and tokens on ``last_root`` (default: the last layer's root), broadcast to
+        the pool: ``(tokens [R], logits [R, vocab] | None)``."""
+        last_root = self.last_root if last_root is None else last_root
+        src = self.groups.global_rank(last_root, 0)
+        n = inp.last_rows.shape[0]
+        tokens = torch.empty(n, dtype=torch.int64, device=self.device)
+        logits = None
+        if record_logits:
+            logits = torch.empty(n, self.vocab_size, dtype=torch.float32, device=self.device)
+        if self.node == last_root:
+            g = self.groups
+            full = vocab_logits(self.model, hidden, inp.last_rows, g.tp_group, g.tp_size, self.vocab_size)
+            tokens = draw_tokens(full, inp.sampling, inp.shape.all_greedy)
+            if logits is not None:
+                logits.copy_(full)
+        dist.broadcast(tokens, src=src, group=self.groups.pool_group)
+        if logits is not None:
+            dist.broadcast(logits, src=src, group=self.groups.pool_group)
+        return tokens, logits
+
+
+def draw_tokens(logits: torch.Tensor, sampling: SamplingTensors, all_greedy: bool) -> torch.Tensor:
+    """``[R, vocab]`` -> ``[R]`` tokens: argmax when the whole step is greedy, else sample."""
+    if all_greedy:
+        return greedy(logits)
+    return sample(logits, *sampling)
+
+
+def _mark(timer: Optional[PhaseTimer], phase: str) -> None:
+    if timer is not None:
+        timer.mark(phase)

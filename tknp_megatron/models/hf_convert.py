@@ -1,0 +1,338 @@
+"""Hugging Face Llama / Nemotron safetensors -> Megatron ``GPTModel`` state dict / dist checkpoint.
+
+:func:`convert_hf_to_dist_checkpoint` dispatches on ``config.json``'s ``model_type``:
+``llama`` (``LlamaForCausalLM``) or ``nemotron`` (``NemotronForCausalLM``, e.g. Nemotron-4
+340B). Keys below are local-spec ``GPTModel.state_dict()`` keys; ``L`` = layer index.
+
+Llama:
+
+=========================================  ===============================================
+HF                                         Megatron
+=========================================  ===============================================
+model.embed_tokens.weight                  embedding.word_embeddings.weight (rows padded)
+model.layers.L.input_layernorm.weight      decoder.layers.L.input_layernorm.weight
+q_proj / k_proj / v_proj .weight           decoder.layers.L.self_attention.linear_qkv.weight
+                                           rows grouped per KV head g:
+                                           [q heads of group g..., k_g, v_g]
+o_proj.weight                              decoder.layers.L.self_attention.linear_proj.weight
+model.layers.L.post_attention_layernorm    decoder.layers.L.pre_mlp_layernorm.weight
+gate_proj / up_proj .weight                decoder.layers.L.mlp.linear_fc1.weight = [gate; up]
+down_proj.weight                           decoder.layers.L.mlp.linear_fc2.weight
+model.norm.weight                          decoder.final_layernorm.weight
+lm_head.weight (or embed_tokens if tied)   output_layer.weight (rows padded; untied)
+=========================================  ===============================================
+
+(In the sharded state dict / checkpoint the local spec maps ``input_layernorm`` to
+``linear_qkv.layer_norm_weight`` and ``pre_mlp_layernorm`` to
+``linear_fc1.layer_norm_weight``, the TE names; saving through the model does that.)
+No q/k permutation: HF Llama's RoPE is rotate-half, like Megatron's non-interleaved RoPE.
+
+Nemotron (Megatron side: ``normalization="LayerNorm"``, ``layernorm_zero_centered_gamma``,
+``gated_linear_unit=False``, squared-ReLU activation, no linear biases, untied output):
+
+=========================================  ===============================================
+HF                                         Megatron
+=========================================  ===============================================
+model.embed_tokens.weight                  embedding.word_embeddings.weight (rows padded)
+model.layers.L.input_layernorm.weight      decoder.layers.L.input_layernorm.weight (as is)
+model.layers.L.input_layernorm.bias        decoder.layers.L.input_layernorm.bias
+q_proj / k_proj / v_proj .weight           decoder.layers.L.self_attention.linear_qkv.weight
+                                           (grouped per KV head, as for Llama)
+o_proj.weight                              decoder.layers.L.self_attention.linear_proj.weight
+post_attention_layernorm.weight / .bias    decoder.layers.L.pre_mlp_layernorm.weight / .bias
+mlp.up_proj.weight                         decoder.layers.L.mlp.linear_fc1.weight (no gate)
+mlp.down_proj.weight                       decoder.layers.L.mlp.linear_fc2.weight
+model.norm.weight / .bias                  decoder.final_layernorm.weight / .bias
+lm_head.weight (or embed_tokens if tied)   output_layer.weight (rows padded; untied)
+=========================================  ===============================================
+
+Norms: HF's ``NemotronLayerNorm1P`` computes ``F.layer_norm(x, ..., weight + 1, bias)``, i.e.
+it stores ``gamma - 1`` exactly like Megatron's ``layernorm_zero_centered_gamma``
+(:class:`~tknp_megatron.models.norms.ZeroCenteredNorm` on the local spec), so weights and biases
+copy unchanged. (The local spec's zero-centred norms keep the ``input_layernorm`` /
+``pre_mlp_layernorm`` names in the sharded state dict too.) Config: ``norm_eps`` ->
+``layernorm_epsilon``; ``hidden_act`` must be ``relu2`` (= Megatron's ``squared_relu``).
+
+RoPE: HF Nemotron rotates the first ``int(head_dim * partial_rotary_factor)`` dims of each
+q/k head (rotate-half within them, inverse frequencies over that width) and passes the rest
+through; Megatron's ``rotary_percent`` does the same on the first
+``int(kv_channels * rotary_percent)`` dims with the same frequencies. So
+``partial_rotary_factor`` -> ``rotary_percent`` with no q/k permutation (the end-to-end test
+compares logits with ``transformers``). ``partial_rotary_factor`` and ``rope_theta`` are read
+from the top level (transformers 4.x configs) or from ``rope_parameters`` (5.x); only the
+default RoPE type is supported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Dict, Union
+
+import torch
+
+from tknp_megatron.config import Activation, GPTArgs, ModelPreset
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "convert_hf_to_dist_checkpoint",
+    "convert_llama_to_dist_checkpoint",
+    "hf_state_dict",
+    "llama_state_dict",
+    "nemotron_state_dict",
+    "preset_from_hf_config",
+]
+
+PathLike = Union[str, os.PathLike]
+SUPPORTED_MODEL_TYPES = ("llama", "nemotron")
+
+
+def preset_from_hf_config(cfg: Dict, name: str = "hf") -> ModelPreset:
+    """A preset from a Llama or Nemotron ``config.json`` (dict); ``model_type`` picks
+    (default ``llama``). Tied embeddings are untied on conversion. Unsupported settings
+    raise ``ValueError`` naming the config field."""
+    model_type = cfg.get("model_type", "llama")
+    if model_type == "llama":
+        return _llama_preset(cfg, name)
+    if model_type == "nemotron":
+        return _nemotron_preset(cfg, name)
+    raise ValueError(f"model_type {model_type!r} unsupported (one of {SUPPORTED_MODEL_TYPES})")
+
+
+def _llama_preset(cfg: Dict, name: str) -> ModelPreset:
+    heads = cfg["num_attention_heads"]
+    scaling = cfg.get("rope_scaling") or (cfg.get("rope_parameters") or {})
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"rope_scaling type {rope_type!r} unsupported (default, llama3)")
+    llama3 = rope_type == "llama3"
+    if llama3 and (scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0),
+                   scaling.get("original_max_position_embeddings", 8192)) != (1.0, 4.0, 8192):
+        raise ValueError(f"llama3 rope_scaling {scaling}: Megatron fixes 1/4/8192")
+    theta = cfg.get("rope_theta", scaling.get("rope_theta", 10000.0))
+    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+        raise ValueError("attention_bias / mlp_bias not supported")
+    return ModelPreset(
+        name=name,
+        num_layers=cfg["num_hidden_layers"],
+        hidden_size=cfg["hidden_size"],
+        num_attention_heads=heads,
+        num_query_groups=cfg.get("num_key_value_heads") or heads,
+        kv_channels=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        ffn_hidden_size=cfg["intermediate_size"],
+        gated=True,
+        activation=Activation.SILU,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.get("rms_norm_eps", 1e-6),
+        gpt=GPTArgs(
+            vocab_size=cfg["vocab_size"],
+            max_sequence_length=cfg.get("max_position_embeddings", 4096),
+            rotary_base=int(theta),
+            rope_scaling=llama3,
+            rope_scaling_factor=float(scaling.get("factor", 8.0)) if llama3 else 8.0,
+            share_embeddings_and_output_weights=False,
+        ),
+    )
+
+
+def _nemotron_preset(cfg: Dict, name: str) -> ModelPreset:
+    """``NemotronConfig`` dict -> preset (HF defaults for omitted keys)."""
+    for field in ("attention_bias", "mlp_bias"):
+        if cfg.get(field):
+            raise ValueError(f"nemotron {field}=True unsupported (Megatron preset has no biases)")
+    act = cfg.get("hidden_act", "relu2")
+    if act != "relu2":
+        raise ValueError(f"nemotron hidden_act {act!r} unsupported (relu2 = squared ReLU)")
+    for field in ("rope_scaling", "rope_parameters"):
+        rope = cfg.get(field) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"nemotron {field} {rope!r} unsupported (default RoPE only)")
+    params = cfg.get("rope_parameters") or {}
+    factor = float(cfg.get("partial_rotary_factor", params.get("partial_rotary_factor", 0.5)))
+    theta = float(cfg.get("rope_theta", params.get("rope_theta", 10000.0)))
+    if theta != int(theta):
+        raise ValueError(f"nemotron rope_theta {theta} must be an integer (Megatron rotary_base)")
+    heads = cfg.get("num_attention_heads", 48)
+    hidden = cfg.get("hidden_size", 6144)
+    head_dim = cfg.get("head_dim") or hidden // heads
+    rot_dim = int(head_dim * factor)
+    if not 0.0 < factor <= 1.0 or rot_dim % 2:
+        raise ValueError(f"nemotron partial_rotary_factor {factor}: rotary dims "
+                         f"int({head_dim} * {factor}) = {rot_dim} must be even and > 0")
+    return ModelPreset(
+        name=name,
+        num_layers=cfg.get("num_hidden_layers", 32),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=cfg.get("num_key_value_heads") or heads,
+        kv_channels=head_dim,
+        ffn_hidden_size=cfg.get("intermediate_size", 24576),
+        gated=False,
+        activation=Activation.SQUARED_RELU,
+        normalization="LayerNorm",
+        zero_centered_gamma=True,
+        layernorm_epsilon=float(cfg.get("norm_eps", 1e-5)),
+        add_bias_linear=False,
+        gpt=GPTArgs(
+            vocab_size=cfg.get("vocab_size", 256000),
+            max_sequence_length=cfg.get("max_position_embeddings", 4096),
+            rotary_percent=factor,
+            rotary_base=int(theta),
+            share_embeddings_and_output_weights=False,
+        ),
+    )
+
+
+def _read_safetensors(folder: Path) -> Dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no *.safetensors files")
+    out: Dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+def _fuse_qkv(q, k, v, preset: ModelPreset) -> torch.Tensor:
+    """``[Hq d, D]``, ``[Hkv d, D]`` x2 -> Megatron's grouped ``[(Hq + 2 Hkv) d, D]``."""
+    g, d, hidden = preset.num_query_groups, preset.kv_channels, q.shape[1]
+    q = q.reshape(g, -1, d, hidden)  # [g, Hq/g, d, D]
+    k = k.reshape(g, 1, d, hidden)
+    v = v.reshape(g, 1, d, hidden)
+    return torch.cat([q, k, v], dim=1).reshape(-1, hidden)
+
+
+def _common_state_dict(hf: Dict[str, torch.Tensor], preset: ModelPreset,
+                       padded_vocab: int) -> Dict[str, torch.Tensor]:
+    """Embedding, output layer and attention projections: identical for Llama and Nemotron."""
+    out = {}
+    emb = hf["model.embed_tokens.weight"]
+    out["embedding.word_embeddings.weight"] = _pad_rows(emb, padded_vocab)
+    out["output_layer.weight"] = _pad_rows(hf.get("lm_head.weight", emb), padded_vocab)
+    for i in range(preset.num_layers):
+        attn, dst = f"model.layers.{i}.self_attn.", f"decoder.layers.{i}.self_attention."
+        out[dst + "linear_qkv.weight"] = _fuse_qkv(
+            hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"],
+            preset,
+        )
+        out[dst + "linear_proj.weight"] = hf[attn + "o_proj.weight"]
+    return out
+
+
+def llama_state_dict(hf: Dict[str, torch.Tensor], preset: ModelPreset, padded_vocab: int,
+                     dtype: torch.dtype = torch.float32) -> Dict[str, torch.Tensor]:
+    """HF Llama tensors -> TP=1 ``GPTModel.state_dict()`` (local spec) tensors."""
+    out = _common_state_dict(hf, preset, padded_vocab)
+    out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+    for i in range(preset.num_layers):
+        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
+        mlp = src + "mlp."
+        out[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"]
+        out[dst + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"]
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat(
+            [hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]]
+        )
+        out[dst + "mlp.linear_fc2.weight"] = hf[mlp + "down_proj.weight"]
+    return {k: v.to(dtype) for k, v in out.items()}
+
+
+def nemotron_state_dict(hf: Dict[str, torch.Tensor], preset: ModelPreset, padded_vocab: int,
+                        dtype: torch.dtype = torch.float32) -> Dict[str, torch.Tensor]:
+    """HF Nemotron tensors -> TP=1 ``GPTModel.state_dict()`` (local spec) tensors.
+
+    LayerNorm1p weights (``gamma - 1`` on both sides) and biases copy unchanged; the MLP
+    is not gated, so ``linear_fc1`` is ``up_proj`` alone.
+    """
+    out = _common_state_dict(hf, preset, padded_vocab)
+    norms = {"model.norm.": "decoder.final_layernorm."}
+    for i in range(preset.num_layers):
+        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
+        norms[src + "input_layernorm."] = dst + "input_layernorm."
+        norms[src + "post_attention_layernorm."] = dst + "pre_mlp_layernorm."
+        out[dst + "mlp.linear_fc1.weight"] = hf[src + "mlp.up_proj.weight"]
+        out[dst + "mlp.linear_fc2.weight"] = hf[src + "mlp.down_proj.weight"]
+    for src, dst in norms.items():
+        out[dst + "weight"] = hf[src + "weight"]
+        out[dst + "bias"] = hf[src + "bias"]
+    return {k: v.to(dtype) for k, v in out.items()}
+
+
+_STATE_DICT_FNS = {"llama": llama_state_dict, "nemotron": nemotron_state_dict}
+
+
+def hf_state_dict(model_type: str, hf: Dict[str, torch.Tensor], preset: ModelPreset,
+                  padded_vocab: int, dtype: torch.dtype = torch.float32) -> Dict[str, torch.Tensor]:
+    """:func:`llama_state_dict` or :func:`nemotron_state_dict` by HF ``model_type``."""
+    try:
+        fn = _STATE_DICT_FNS[model_type]
+    except KeyError:
+        raise ValueError(
+            f"model_type {model_type!r} unsupported (one of {SUPPORTED_MODEL_TYPES})"
+        ) from None
+    return fn(hf, preset, padded_vocab, dtype)
+
+
+def convert_hf_to_dist_checkpoint(hf_dir: PathLike, out_dir: PathLike,
+                                  dtype: torch.dtype = torch.float32) -> ModelPreset:
+    """Write a ``torch_dist`` checkpoint that :func:`load_megatron_checkpoint` serves.
+
+    ``hf_dir`` holds ``config.json`` and ``*.safetensors`` of a Llama or Nemotron model
+    (``model_type`` picks the mapping). Builds the full TP=1 ``GPTModel`` in this process
+    (fine for conversion hosts with RAM for one copy of the model), fills it and saves its
+    sharded state dict. Needs ``torch.distributed`` and ``megatron.core.parallel_state``
+    initialised with TP = 1. Returns the preset (also written to ``out_dir/model_config.json``).
+    """
+    from megatron.core import dist_checkpointing
+
+    from tknp_megatron.models.cpu_shims import cpu_torch_dist_save_strategy
+    from tknp_megatron.models.model import padded_vocab_size
+    from tknp_megatron.models.reference import build_reference_model
+
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    preset = preset_from_hf_config(cfg, name=hf_dir.name or "hf")
+    model = build_reference_model(preset, dtype)
+    sd = hf_state_dict(cfg.get("model_type", "llama"), _read_safetensors(hf_dir), preset,
+                       padded_vocab_size(preset, 1), dtype)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise RuntimeError(f"mapping mismatch: missing {missing}, unexpected {unexpected}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save(model.sharded_state_dict(), str(out_dir),
+                            sharded_strategy=cpu_torch_dist_save_strategy())
+    if torch.distributed.get_rank() == 0:
+        (out_dir / "model_config.json").write_text(json.dumps(_model_config(preset), indent=1))
+    return preset
+
+
+# Older name, kept for callers written when only Llama was supported (handles both).
+convert_llama_to_dist_checkpoint = convert_hf_to_dist_checkpoint
+
+
+def _model_config(p: ModelPreset) -> Dict:
+    """``--model-config`` JSON for a preset (see :func:`checkpoint.preset_from_model_config`)."""
+    return dict(
+        name=p.name, num_layers=p.num_layers, hidden_size=p.hidden_size,
+        num_attention_heads=p.num_attention_heads, num_query_groups=p.num_query_groups,
+        kv_channels=p.kv_channels, ffn_hidden_size=p.ffn_hidden_size,
+        normalization=p.normalization, gated_linear_unit=p.gated,
+        add_bias_linear=p.add_bias_linear,
+        layernorm_zero_centered_gamma=p.zero_centered_gamma,
+        layernorm_epsilon=p.layernorm_epsilon, activation=p.activation.value,
+        vocab_size=p.gpt.vocab_size, max_sequence_length=p.gpt.max_sequence_length,
+        position_embedding_type=p.gpt.position_embedding_type,
+        rotary_percent=p.gpt.rotary_percent, rotary_base=p.gpt.rotary_base,
+        rope_scaling=p.gpt.rope_scaling, rope_scaling_factor=p.gpt.rope_scaling_factor,
+        share_embeddings_and_output_weights=False,
+    )

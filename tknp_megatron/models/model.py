@@ -1,0 +1,260 @@
+"""The part of a Megatron GPT model that one rank stores.
+
+A node's layer block is what Megatron calls a pipeline stage, but TKNP's byte-balanced
+blocks have arbitrary boundaries (and a dual-copy node stores two non-adjacent blocks),
+which Megatron 0.16's ``TransformerBlock`` can only express through a layout keyed by the
+*global* pipeline rank. So :class:`StageModel` assembles Megatron's own modules directly:
+``LanguageModelEmbedding`` (first block), ``TransformerLayer`` built from Megatron's layer
+spec with its *global* layer number, the final norm and the ``ColumnParallelLinear`` output
+layer (last block). Its state-dict and sharded-state-dict keys are exactly ``GPTModel``'s
+(``decoder.layers.<global>.``...), so Megatron checkpoints load block by block.
+
+Modules are built on the meta device and only the stored blocks are materialised.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+from megatron.core.models.common.embeddings.language_model_embedding import (
+    LanguageModelEmbedding,
+)
+from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.utils import (
+    ensure_metadata_has_dp_cp_group,
+    sharded_state_dict_default,
+)
+
+from tknp_megatron.config import ModelPreset
+from tknp_megatron.models.norms import ZeroCenteredNorm
+
+__all__ = [
+    "StageModel",
+    "build_rank_model",
+    "build_stage_model",
+    "layer_spec",
+    "padded_vocab_size",
+    "te_available",
+]
+
+
+def te_available() -> bool:
+    """Transformer Engine imports and a GPU is present."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def layer_spec(preset: ModelPreset, use_te: bool = False) -> ModuleSpec:
+    """Megatron's GPT layer spec for ``preset``: TE spec when asked, else the local spec.
+
+    The local spec's torch norms refuse zero-centred gamma, so for such presets both the
+    input and pre-MLP norms become :class:`ZeroCenteredNorm`.
+    """
+    if use_te:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=preset.normalization)
+    if preset.zero_centered_gamma:
+        spec.submodules.input_layernorm = ZeroCenteredNorm
+        spec.submodules.pre_mlp_layernorm = ZeroCenteredNorm
+    return spec
+
+
+def _final_norm_spec(preset: ModelPreset, use_te: bool):
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TENorm
+    if preset.zero_centered_gamma:
+        return ZeroCenteredNorm
+    return gpt_layer_specs.get_gpt_layer_local_spec(
+        normalization=preset.normalization
+    ).submodules.input_layernorm
+
+
+class _Decoder(MegatronModule):
+    """``decoder`` of a GPTModel restricted to some global layers (+ final norm)."""
+
+    def __init__(self, config, preset, layers: Sequence[int], post_process, spec, use_te, pgc):
+        super().__init__(config=config)
+        self.layers = torch.nn.ModuleDict(
+            {
+                str(g): build_module(spec, config=config, layer_number=g + 1, pg_collection=pgc)
+                for g in layers
+            }
+        )
+        if post_process:
+            self.final_layernorm = build_module(
+                _final_norm_spec(preset, use_te),
+                config=config,
+                hidden_size=config.hidden_size,
+                eps=config.layernorm_epsilon,
+            )
+        else:
+            self.final_layernorm = None
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Same keys as ``TransformerBlock.sharded_state_dict`` (layers stacked on axis 0)."""
+        out = {}
+        for key, layer in self.layers.items():
+            g = int(key)
+            local_prefix = f"{prefix}layers.{key}."
+            layer_sd = layer.sharded_state_dict(
+                local_prefix, [(0, g, self.config.num_layers)], metadata
+            )
+            replace_prefix_for_sharding(layer_sd, local_prefix, f"{prefix}layers.")
+            out.update(layer_sd)
+        if self.final_layernorm is not None:
+            out.update(
+                sharded_state_dict_default(
+                    self.final_layernorm, f"{prefix}final_layernorm.", sharded_offsets, metadata
+                )
+            )
+        return out
+
+
+class StageModel(MegatronModule):
+    """Megatron modules for the global layers ``layers`` (+ endpoints where held).
+
+    Attributes:
+        embedding: ``LanguageModelEmbedding`` or None.
+        decoder.layers: ``ModuleDict`` of ``TransformerLayer`` keyed by global layer index.
+        decoder.final_layernorm: final norm or None.
+        output_layer: vocab-parallel ``ColumnParallelLinear`` or None.
+    """
+
+    def __init__(
+        self,
+        preset: ModelPreset,
+        config,
+        layers: Iterable[int],
+        pre_process: bool,
+        post_process: bool,
+        padded_vocab_size: int,
+        use_te: bool = False,
+    ):
+        super().__init__(config=config)
+        pgc = ProcessGroupCollection.use_mpu_process_groups()
+        self.preset = preset
+        self.layer_ids = tuple(sorted(layers))
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.padded_vocab_size = padded_vocab_size
+        if preset.gpt.share_embeddings_and_output_weights:
+            raise ValueError(
+                "tied embeddings: the first and last blocks sit on different nodes; "
+                "untie the output layer when converting the checkpoint"
+            )
+        self.embedding = None
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(
+                config=config,
+                vocab_size=padded_vocab_size,
+                max_sequence_length=preset.gpt.max_sequence_length,
+                position_embedding_type=preset.gpt.position_embedding_type,
+                scatter_to_sequence_parallel=False,
+                tp_group=pgc.tp,
+            )
+        spec = layer_spec(preset, use_te)
+        self.decoder = _Decoder(config, preset, self.layer_ids, post_process, spec, use_te, pgc)
+        self.output_layer = None
+        if post_process:
+            self.output_layer = tensor_parallel.ColumnParallelLinear(
+                config.hidden_size,
+                padded_vocab_size,
+                config=config,
+                init_method=config.init_method,
+                bias=False,
+                skip_bias_add=False,
+                gather_output=False,
+                tp_group=pgc.tp,
+            )
+
+    def layer(self, global_index: int):
+        """The ``TransformerLayer`` for a global layer index."""
+        return self.decoder.layers[str(global_index)]
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """``GPTModel``-compatible sharded state dict of the stored parts."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        out = {}
+        if self.embedding is not None:
+            out.update(self.embedding.sharded_state_dict(f"{prefix}embedding.", (), metadata))
+        out.update(self.decoder.sharded_state_dict(f"{prefix}decoder.", (), metadata))
+        if self.output_layer is not None:
+            out.update(
+                self.output_layer.sharded_state_dict(f"{prefix}output_layer.", (), metadata)
+            )
+            out.pop(f"{prefix}output_layer._extra_state", None)
+        return out
+
+
+def padded_vocab_size(preset: ModelPreset, tp: int, divisible_by: int = 128) -> int:
+    """Megatron-LM's padding: vocab rounded up to a multiple of ``divisible_by * tp``."""
+    multiple = divisible_by * tp
+    return -(-preset.vocab_size // multiple) * multiple
+
+
+def build_stage_model(
+    preset: ModelPreset,
+    layers: Iterable[int],
+    *,
+    pre_process: bool,
+    post_process: bool,
+    tp: int,
+    params_dtype: torch.dtype,
+    device: torch.device,
+    use_te: bool = False,
+    vocab_size: Optional[int] = None,
+    **config_overrides,
+) -> StageModel:
+    """Build the stored part on the meta device, then allocate it on ``device``.
+
+    Parameters are uninitialised: fill them from a checkpoint or :mod:`tknp_megatron.models.weights`.
+    ``vocab_size`` overrides the padded vocabulary (e.g. a checkpoint's).
+    """
+    config = preset.to_transformer_config(
+        tensor_model_parallel_size=tp,
+        params_dtype=params_dtype,
+        use_cpu_initialization=device.type == "cpu",
+        **config_overrides,
+    )
+    vocab = vocab_size or padded_vocab_size(preset, tp)
+    with torch.device("meta"):
+        model = StageModel(preset, config, layers, pre_process, post_process, vocab, use_te)
+    model = model.to_empty(device=device)
+    return model.eval()
+
+
+def build_rank_model(
+    preset: ModelPreset,
+    placement,
+    groups,
+    params_dtype: torch.dtype,
+    device: torch.device,
+    use_te: bool = False,
+    **config_overrides,
+) -> StageModel:
+    """The blocks ``placement`` assigns to this rank's node, TP-sharded over the node."""
+    node = groups.node
+    return build_stage_model(
+        preset,
+        placement.layers_of_node(node),
+        pre_process=placement.holds_embedding(node),
+        post_process=placement.holds_output(node),
+        tp=groups.tp_size,
+        params_dtype=params_dtype,
+        device=device,
+        use_te=use_te,
+        **config_overrides,
+    )

@@ -1,0 +1,114 @@
+"""The non-TKNP reference: Megatron's own ``GPTModel`` on one rank, no KV cache.
+
+Every generated token is computed by running Megatron's ``TransformerBlock.forward`` over
+the whole sequence (prompt + tokens so far): no paging, no scatter/gather, no block
+handoffs, no TP. Its weights come from the same source as the TKNP ranks' (seeded by
+checkpoint key, or a checkpoint), so TKNP must reproduce its tokens exactly in fp32.
+Only the core attention is swapped for a CPU-capable SDPA (see :mod:`cpu_shims`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+from tknp_megatron.config import ModelPreset
+from tknp_megatron.executor.rope import Rope
+from tknp_megatron.models.cpu_shims import SDPACoreAttention
+from tknp_megatron.models.model import _final_norm_spec, layer_spec, padded_vocab_size
+from tknp_megatron.sampling import SamplingParams, sample
+
+__all__ = ["ReferenceOutput", "build_reference_model", "reference_generate"]
+
+
+@dataclass(frozen=True)
+class ReferenceOutput:
+    """Generated tokens of one request and their logits ``[n, vocab]``."""
+
+    tokens: tuple
+    logits: torch.Tensor
+
+
+def build_reference_model(
+    preset: ModelPreset,
+    params_dtype: torch.dtype = torch.float32,
+    device=torch.device("cpu"),
+    vocab_size: Optional[int] = None,
+) -> GPTModel:
+    """A full TP=1 Megatron ``GPTModel`` (uninitialised; fill or load it).
+
+    ``vocab_size`` overrides the padded vocabulary (a checkpoint's embedding rows).
+    Needs ``megatron.core.parallel_state`` initialised with TP = PP = 1.
+    """
+    config = preset.to_transformer_config(1, params_dtype, use_cpu_initialization=True)
+    spec = layer_spec(preset)
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    block = TransformerBlockSubmodules(
+        layer_specs=[spec] * preset.num_layers, layer_norm=_final_norm_spec(preset, False)
+    )
+    model = GPTModel(
+        config,
+        block,
+        vocab_size=vocab_size or padded_vocab_size(preset, 1),
+        max_sequence_length=preset.gpt.max_sequence_length,
+        position_embedding_type=preset.gpt.position_embedding_type,
+        rotary_percent=preset.gpt.rotary_percent,
+        rotary_base=preset.gpt.rotary_base,
+        rope_scaling=preset.gpt.rope_scaling,
+        rope_scaling_factor=preset.gpt.rope_scaling_factor,
+        share_embeddings_and_output_weights=preset.gpt.share_embeddings_and_output_weights,
+    )
+    return model.to(device).eval()
+
+
+@torch.no_grad()
+def reference_logits(model: GPTModel, rope: Rope, tokens: torch.Tensor, vocab: int):
+    """``[S]`` token ids -> ``[S, vocab]`` float32 logits via Megatron's decoder."""
+    ids = tokens.unsqueeze(0)  # [b=1, s]
+    hidden = model.embedding(ids, position_ids=None)  # [s, b, h]
+    freqs = rope.freqs(torch.arange(tokens.numel(), device=tokens.device))
+    hidden = model.decoder(hidden, attention_mask=None, rotary_pos_emb=freqs)
+    logits, _ = model.output_layer(hidden)
+    return logits[:, 0, :vocab].float()
+
+
+def reference_generate(
+    model: GPTModel,
+    preset: ModelPreset,
+    prompts: Sequence[Sequence[int]],
+    params: Sequence[SamplingParams],
+    request_ids: Optional[Sequence[int]] = None,
+) -> List[ReferenceOutput]:
+    """Generate for each prompt independently, recomputing the full sequence per token.
+
+    Sampling uses the same seeded sampler as TKNP with the same (seed, request id, step),
+    so non-greedy sampling is comparable too.
+    """
+    device = next(model.parameters()).device
+    rope = Rope(preset, model.config, device)
+    ids = list(range(len(prompts))) if request_ids is None else list(request_ids)
+    out = []
+    for rid, prompt, p in zip(ids, prompts, params):
+        tokens = list(prompt)
+        logits_rows = []
+        for step in range(p.max_new_tokens):
+            logits = reference_logits(model, rope, torch.tensor(tokens, device=device), preset.vocab_size)[-1:]
+            logits_rows.append(logits[0])
+            tok = sample(
+                logits,
+                torch.tensor([p.temperature], device=device),
+                torch.tensor([p.top_k], device=device),
+                torch.tensor([p.top_p], device=device),
+                torch.tensor([p.seed], device=device),
+                torch.tensor([rid], device=device),
+                torch.tensor([step], device=device),
+            )
+            tokens.append(int(tok[0]))
+            if p.eos_id is not None and tokens[-1] == p.eos_id:
+                break
+        out.append(ReferenceOutput(tuple(tokens[len(prompt):]), torch.stack(logits_rows).cpu()))
+    return out

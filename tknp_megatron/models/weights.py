@@ -1,0 +1,96 @@
+"""Seeded random weights that do not depend on how the model is split.
+
+Each parameter element gets a value from a counter-based hash of (seed, checkpoint key,
+global element index), where the key and the global index come from Megatron's own
+sharded state dict (the same ``ShardedTensor`` metadata dist_checkpointing uses to
+reshard). So a TP=1 reference model, a TP=2 node, and a rank holding two layers of a
+block all see identical values for the same logical weight, and no rank ever builds a
+tensor larger than its own shard.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Dict, Iterable, Tuple
+
+import torch
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+from tknp_megatron.config import ModelPreset
+from tknp_megatron.hashing import MASK32, mix32
+
+__all__ = ["fill_seeded_", "hash_uniform"]
+
+def hash_uniform(seed: int, index: torch.Tensor) -> torch.Tensor:
+    """Uniform values in [-1, 1) from int64 element indices; same on every device.
+
+    Args:
+        seed: 32-bit stream id.
+        index: int64 tensor of global element indices (< 2**62).
+    Returns:
+        float32 tensor of ``index``'s shape.
+    """
+    lo = index & MASK32
+    hi = (index >> 32) & MASK32
+    h = mix32(mix32(lo ^ (seed & MASK32)) ^ mix32(hi ^ 0x632BE5AB))
+    return (h >> 8).to(torch.float32) * (2.0 / (1 << 24)) - 1.0
+
+
+def _global_indices(st: ShardedTensor) -> torch.Tensor:
+    """Global flat element index of every local element of ``st`` (int64, local shape)."""
+    p = st.prepend_axis_num
+    data_shape = st.global_shape[p:]
+    idx = torch.zeros((), dtype=torch.int64, device=st.data.device)
+    for axis, (offset, size) in enumerate(zip(st.global_offset[p:], st.data.shape)):
+        rng = torch.arange(offset, offset + size, dtype=torch.int64, device=idx.device)
+        idx = idx.unsqueeze(-1) * data_shape[axis] + rng
+    unit = 1
+    for n in data_shape:
+        unit *= n
+    layer = 0
+    for axis in range(p):  # stacked layer axes, outermost first
+        layer = layer * st.global_shape[axis] + st.global_offset[axis]
+    return idx + layer * unit
+
+
+def _key_seed(seed: int, key: str) -> int:
+    return zlib.crc32(key.encode()) ^ (seed * 0x27D4EB2F & MASK32)
+
+
+def _scale_shift(key: str, preset: ModelPreset) -> Tuple[float, float]:
+    """(scale, shift) of the uniform draw: norms near 1 (or 0 if zero-centred)."""
+    is_norm = "layernorm" in key or "layer_norm" in key
+    if is_norm and key.endswith("weight"):
+        return 0.1, 0.0 if preset.zero_centered_gamma else 1.0
+    if key.endswith("bias"):
+        return 0.02, 0.0
+    return preset.init_std * 3 ** 0.5, 0.0  # uniform with std init_std
+
+
+def _fill_tensor_(st: ShardedTensor, seed: int, preset: ModelPreset) -> None:
+    scale, shift = _scale_shift(st.key, preset)
+    values = hash_uniform(_key_seed(seed, st.key), _global_indices(st)) * scale + shift
+    st.data.copy_(values.to(st.data.dtype))
+
+
+def _sharded_tensors(sd: Dict) -> Iterable[ShardedTensor]:
+    for value in sd.values():
+        if isinstance(value, ShardedTensor):
+            yield value
+        elif isinstance(value, ShardedTensorFactory):
+            built = value.build()
+            yield from built if isinstance(built, list) else _sharded_tensors(built)
+        elif isinstance(value, dict):
+            yield from _sharded_tensors(value)
+
+
+@torch.no_grad()
+def fill_seeded_(model: torch.nn.Module, preset: ModelPreset, seed: int) -> None:
+    """Fill every parameter of ``model`` (a StageModel or GPTModel) from the seed.
+
+    Uses ``model.sharded_state_dict()``; factories (SwiGLU's split ``linear_fc1``) are
+    built so each half gets the values of its place in the unsharded tensor.
+    """
+    for st in _sharded_tensors(model.sharded_state_dict()):
+        if st.data.dtype.is_floating_point:
+            _fill_tensor_(st, seed, preset)

@@ -1,0 +1,1 @@
+"""Command-line tools, each run as ``python -m tknp_megatron.tools.<name>``."""

@@ -1,0 +1,243 @@
+"""Side by side: TKNP, DP, TP, PP and DCP on the same traces, one invocation (issue 6).
+
+On GPUs, one process per GPU::
+
+    torchrun --nproc-per-node 2 tknp_megatron/tools/bench_serving.py --device cuda --model llama3.1-70b \\
+        --layers 8 --gpu-memory-gib 32 --contexts 32768 --batches 16 64 128 --output-len 128 \\
+        --out $OUT/serving
+
+On CPU (no torchrun) it starts a gloo pool itself (``--world``). Every mode serves the
+same seeded trace with prompts' KV arriving from outside (synthetic, identical in every
+mode), greedy decoding; a mode's tokens must equal every other mode's on the same model
+(checked and reported). DCP needs more ranks than KV heads, so it runs on a variant
+with ``--dcp-kv-heads`` KV heads, and TKNP runs on that variant too (``tknp-mqa``).
+Writes ``results.json``, ``results.csv`` and PNG plots (throughput vs offered batch,
+latency panels, SLO vs arrival rate) under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tknp_megatron.config import dtype_from_name, get_preset  # noqa: E402
+from tknp_megatron.launch import init_distributed, spawn  # noqa: E402
+
+MODES = ("tknp", "dp", "tp", "pp", "dcp")
+EXTRA_MODES = ("tknp-dual",)  # on request: dual-active-root microbatching
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES + EXTRA_MODES)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--layers", type=int, default=None, help="stack this many of the preset's layers")
+    p.add_argument("--dcp-kv-heads", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1, help="ranks per node (TKNP, DP, PP)")
+    p.add_argument("--contexts", type=int, nargs="+", default=[64])
+    p.add_argument("--batches", type=int, nargs="*", default=[4, 8],
+                   help="offered batches of the fixed-length traces (none: mixed traces only)")
+    p.add_argument("--output-len", type=int, default=8)
+    p.add_argument("--rates", type=float, nargs="*", default=[],
+                   help="Poisson arrival rates (req/s) for the mixed-length trace")
+    p.add_argument("--mixed-requests", type=int, default=0, help="requests in the mixed trace")
+    p.add_argument("--mixed-scale", type=float, default=1.0 / 256)
+    p.add_argument("--burst", action="store_true", help="also the mixed trace as one burst")
+    p.add_argument("--gpu-memory-gib", type=float, default=None, help="per-GPU memory cap")
+    p.add_argument("--kv-tokens-per-node", type=int, default=None, help="KV budget (CPU)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--cuda-graphs", action="store_true")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--world", type=int, default=2, help="processes when not under torchrun")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench_serving_out")
+    p.add_argument("--report-only", action="store_true",
+                   help="rebuild the table, CSV/JSON and plots from --out's partial.jsonl")
+    args = p.parse_args(argv)
+    args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    return args
+
+
+def _traces(args):
+    from tknp_megatron.analysis import workload as wl
+
+    for ctx in args.contexts:
+        for batch in args.batches:
+            yield ctx, batch, None, wl.fixed_length(batch, ctx, args.output_len, args.seed)
+    if args.mixed_requests:
+        base = wl.mixed_length(args.mixed_requests, args.seed, args.mixed_scale, args.output_len)
+        for rate in args.rates:
+            yield 0, args.mixed_requests, rate, wl.with_poisson_arrivals(base, rate, args.seed)
+        if args.burst:
+            yield 0, args.mixed_requests, float("inf"), wl.as_burst(base)
+
+
+def _runs(args):
+    """(label, mode, preset) for every requested mode."""
+    preset = get_preset(args.model)
+    if args.layers:
+        preset = preset.replace(num_layers=args.layers)
+    mqa = preset.replace(num_query_groups=args.dcp_kv_heads)
+    out = [(m, m, preset) for m in args.modes if m != "dcp"]
+    if "dcp" in args.modes:
+        out += [("dcp", "dcp", mqa), ("tknp-mqa", "tknp", mqa)]
+    return out
+
+
+def worker(rank, world, args):
+    warnings.simplefilter("ignore")
+    from tknp_megatron.analysis.serving import Mode, run_mode
+    from tknp_megatron.engine.engine import EngineConfig
+
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    config = EngineConfig(block_size=args.block_size, kv_tokens_per_node=args.kv_tokens_per_node,
+                          gpu_memory_cap_gib=args.gpu_memory_gib, cuda_graphs=args.cuda_graphs,
+                          max_prefill_tokens=1 << 30)
+    rows = []
+    for ctx, batch, rate, trace in _traces(args):
+        for label, mode, preset in _runs(args):
+            run = run_mode(Mode(mode), preset, trace, config, args.tp,
+                           dtype_from_name(args.dtype), device, args.seed)
+            if rank == 0:
+                rows.append(_row(label, ctx, batch, rate, run, _roofline(mode, preset, trace, world, args)))
+                _save_partial(rows[-1], Path(args.out))
+                m = run.metrics
+                print(f"[{len(rows)}] {label:>8} ctx={ctx} batch={batch} rate={rate}: "
+                      f"{m.completion_throughput_tok_s:.1f} tok/s, waves {m.waves}", flush=True)
+    return rows
+
+
+def _save_partial(row: dict, out_dir: Path) -> None:
+    """Append a finished run to ``partial.jsonl`` (kept if a later run is cut short)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "partial.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def _roofline(mode, preset, trace, world, args):
+    """Predicted step time at a run's mean resident batch and mean context."""
+    from tknp_megatron.analysis.roofline import predicted_step_s
+
+    n = len(trace.requests)
+    context = sum(r.prompt_len + r.output_len / 2 for r in trace.requests) / n
+    return lambda batch: predicted_step_s(mode, preset, world, args.tp, batch, context)
+
+
+def _row(label, ctx, batch, rate, run, predict) -> dict:
+    m = run.metrics
+    predicted = predict(run.resident_batch_mean) if run.resident_batch_mean else float("nan")
+    return dict(mode=label.upper(), context=ctx, offered_batch=batch, arrival_rate=rate,
+                completion_throughput_tok_s=m.completion_throughput_tok_s,
+                queue_wait_s_mean=m.queue_wait_s_mean, itl_s_p95=m.itl_s_p95,
+                completion_time_s_mean=m.completion_time_s_mean, slo_attainment=m.slo_attainment,
+                waves=m.waves, completed=m.completed, rejected=m.rejected,
+                resident_batch_mean=run.resident_batch_mean, step_ms_measured=1e3 * m.itl_s_p50,
+                step_ms_predicted=1e3 * predicted,
+                measured_over_predicted=m.itl_s_p50 / predicted if predicted == predicted else None,
+                kv_capacity_tokens=[list(c) for c in run.kv_capacity_tokens],
+                host_ms_per_step=list(run.host_ms_per_step), wait_ms_per_step=list(run.wait_ms_per_step),
+                outputs=[list(o) for o in run.outputs])
+
+
+def tokens_agree(rows) -> dict:
+    """Per trace and model family: each mode's greedy-token match rate against the first
+    mode run on it (1.0 everywhere in fp32; bf16 modes round differently)."""
+    firsts, out = {}, {}
+    for r in rows:
+        family = "mqa" if r["mode"] in ("DCP", "TKNP-MQA") else "base"
+        key = f"{family}/ctx{r['context']}/b{r['offered_batch']}/rate{r['arrival_rate']}"
+        first = firsts.setdefault(key, r)
+        pairs = [(a, b) for x, y in zip(r["outputs"], first["outputs"]) for a, b in zip(x, y)]
+        total = max(1, sum(max(len(x), len(y)) for x, y in zip(r["outputs"], first["outputs"])))
+        out[f"{key}/{r['mode']}_vs_{first['mode']}"] = sum(a == b for a, b in pairs) / total
+    return out
+
+
+def report(rows, out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    agree = tokens_agree(rows)
+    (out_dir / "results.json").write_text(json.dumps(dict(rows=rows, tokens_agree=agree), separators=(",", ":")))
+    plot_all(rows, out_dir)
+    print(f"{'mode':>9} {'ctx':>6} {'batch':>5} {'rate':>6} {'tok/s':>9} {'waves':>5} "
+          f"{'queue_s':>8} {'itl95_ms':>8} {'compl_s':>8} {'resident':>8} {'step_ms':>8} "
+          f"{'roof_ms':>8} {'meas/roof':>9} {'host_ms':>7} {'gpu_wait':>8}")
+    for r in rows:
+        ratio = r["measured_over_predicted"]
+        print(f"{r['mode']:>9} {r['context']:>6} {r['offered_batch']:>5} {str(r['arrival_rate']):>6} "
+              f"{r['completion_throughput_tok_s']:>9.1f} {r['waves']:>5} {r['queue_wait_s_mean']:>8.3f} "
+              f"{1e3 * r['itl_s_p95']:>8.2f} {r['completion_time_s_mean']:>8.3f} "
+              f"{r['resident_batch_mean']:>8.1f} {r['step_ms_measured']:>8.2f} "
+              f"{r['step_ms_predicted']:>8.2f} {'n/a' if ratio is None else f'{ratio:.2f}':>9} "
+              f"{_host_ms(r):>7} {_wait_ms(r):>8}")
+    print("tokens agree across modes:", agree, flush=True)
+
+
+def _host_ms(r) -> str:
+    """Busiest rank's host work per step (ms); n/a for PP (its loop is per microbatch)."""
+    host = r.get("host_ms_per_step") or []
+    return "n/a" if r["mode"] == "PP" or not host else f"{max(host):.2f}"
+
+
+def _wait_ms(r) -> str:
+    """Rank 0 (a coordinator) waiting for step tokens, per step (ms)."""
+    wait = r.get("wait_ms_per_step") or []
+    return "n/a" if r["mode"] == "PP" or not wait else f"{wait[0]:.2f}"
+
+
+def plot_all(rows, out_dir: Path) -> None:
+    """CSV and the paper-style figures (8, 9 and 12) from result rows."""
+    from tknp_megatron.analysis.plots import (
+        ModeResult,
+        plot_latency_panels,
+        plot_slo_vs_rate,
+        plot_throughput_vs_batch,
+        rows_to_csv,
+    )
+
+    results = [ModeResult.from_dict(r) for r in rows]
+    rows_to_csv(results, out_dir / "results.csv")
+    batch_rows = [r for r in results if r.arrival_rate is None]
+    if batch_rows:
+        plot_throughput_vs_batch(batch_rows, out_dir / "throughput_vs_batch.png")
+        for ctx in sorted({r.context for r in batch_rows}):
+            plot_latency_panels(batch_rows, ctx, out_dir / f"latency_ctx{ctx}.png")
+    if any(r.arrival_rate not in (None, float("inf")) for r in results):
+        plot_slo_vs_rate(results, out_dir / "slo_vs_rate.png")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.report_only:
+        lines = (Path(args.out) / "partial.jsonl").read_text().splitlines()
+        report([json.loads(line) for line in lines if line.strip()], Path(args.out))
+        return 0
+    if "RANK" in os.environ:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if args.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        init_distributed("nccl" if args.device == "cuda" else "gloo", rank, world, 1800)
+        rows = worker(rank, world, args)
+        if rank == 0:
+            report(rows, Path(args.out))
+        dist.barrier()
+        if args.device == "cuda":
+            os._exit(0)  # NCCL teardown after graph capture can hang (DEVICE.md)
+        dist.destroy_process_group()
+    else:
+        rows = spawn(worker, args.world, (args,), timeout_s=1800)[0]
+        report(rows, Path(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,305 @@
+"""TKNP decode-step benchmark on GPUs (issue 4): per-layer phases, graphs vs eager.
+
+Run under torchrun, one process per GPU (N nodes x T=1)::
+
+    torchrun --nproc-per-node 2 tknp_megatron/tools/bench_step.py --layers 8 --out $OUT/bench_step.json
+
+A Llama-3.1-70B-geometry layer stack (``--layers`` of its 80 layers, random bf16
+weights) is placed over N nodes; each owner holds B/N requests at ``ctx`` tokens of
+(synthetic) KV. For each (B, ctx) it reports:
+  * step time eager and from a CUDA graph (median of ``--reps``),
+  * eager per-phase time on each rank (root QKV, scatter, attention, gather,
+    root proj+MLP, handoff; from CUDA events in the executor),
+  * compute-only critical path = layers x (dense(B) + attention(B/N, ctx)) + logits,
+    each timed alone on this GPU in a CUDA graph, and the exposed communication share
+    = 1 - critical path / graph step time.
+It also checks that graph replay gives the same tokens as eager steps. Results print as
+a table and go to ``--out`` as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from tknp_megatron.executor.dense import finish_layer, vocab_logits  # noqa: E402
+from tknp_megatron.plan import StepPlan  # noqa: E402
+from tknp_megatron.profiler import PhaseTimer, PhaseTimes  # noqa: E402
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="llama3.1-70b")
+    p.add_argument("--layers", type=int, default=8, help="layers of the preset to stack")
+    p.add_argument("--batches", type=int, nargs="+", default=[16, 64, 128])
+    p.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--out", default=None)
+    p.add_argument("--profile", action="store_true",
+                   help="also list the GPU kernels of a graphed step (torch.profiler, CUPTI)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="CPU/gloo smoke run of the eager parts (no graphs, no GPU)")
+    return p.parse_args()
+
+
+def setup(args):
+    """Groups, model, KV cache and executor for the largest shape."""
+    import parallel_state as ps
+    from tknp_megatron.attention import get_backend
+    from tknp_megatron.config import get_preset
+    from tknp_megatron.executor.rope import Rope
+    from tknp_megatron.executor.tknp import TKNPExecutor
+    from tknp_megatron.kv_cache import KVCacheSpec, PagedKVCache
+    from tknp_megatron.models.model import build_rank_model
+    from tknp_megatron.models.weights import fill_seeded_
+    from tknp_megatron.placement import balanced_placement
+
+    groups = ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    cuda = not args.dry_run
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    preset = get_preset(args.model).replace(num_layers=args.layers)
+    placement = balanced_placement(preset, groups.num_nodes)
+    model = build_rank_model(preset, placement, groups, dtype, device)
+    fill_seeded_(model, preset, seed=0)
+    n = groups.num_nodes
+    per_owner = -(-max(args.batches) // n)
+    blocks_per_req = -(-max(args.contexts) // args.block_size) + 1
+    spec = KVCacheSpec(
+        num_layers=preset.num_layers, num_blocks=per_owner * blocks_per_req,
+        block_size=args.block_size, local_kv_heads=preset.local_kv_heads(1),
+        head_dim=preset.kv_channels, dtype=dtype, max_slots=per_owner,
+        max_blocks_per_seq=blocks_per_req,
+    )
+    kv = PagedKVCache(spec, device)
+    kv.buffer.normal_()
+    for slot in range(per_owner):
+        kv.assign(slot, range(slot * blocks_per_req, (slot + 1) * blocks_per_req))
+    rope = Rope(preset, model.config, device)
+    ex = TKNPExecutor(model, placement, groups, kv, rope, get_backend(None, device),
+                      preset.vocab_size, device)
+    return groups, preset, placement, ex
+
+
+def decode_plan(batch: int, ctx: int, num_nodes: int, step: int, tokens=None) -> StepPlan:
+    """Pure decode: every request at position ctx - 1 + step, owners balanced."""
+    per = [batch // num_nodes + (1 if g < batch % num_nodes else 0) for g in range(num_nodes)]
+    slots = torch.cat([torch.arange(c) for c in per])
+    z = torch.zeros(batch, dtype=torch.int64)
+    toks = torch.arange(batch) % 1000 if tokens is None else tokens.cpu()
+    return StepPlan(
+        step=step, admissions=(), request_ids=torch.arange(batch), slots=slots,
+        q_lens=z + 1, start_pos=z + ctx - 1 + step, tokens=toks, temperature=z.float(),
+        top_k=z, top_p=z.float() + 1, seeds=z, sample_steps=z + step,
+        requests_per_owner=tuple(per), rows_per_owner=tuple(per),
+    )
+
+
+def time_steps(fn, reps: int) -> float:
+    """Median seconds of ``fn()`` over ``reps`` synchronised runs."""
+    if not torch.cuda.is_available():
+        return _wall_times(fn, reps)
+    times = []
+    for _ in range(reps + 2):
+        torch.cuda.synchronize()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times[2:])
+
+
+def _wall_times(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps + 2):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:])
+
+
+def graph_time(fn, reps: int) -> float:
+    """Median seconds of ``fn`` captured alone in a CUDA graph (no communication)."""
+    if not torch.cuda.is_available():
+        return _wall_times(fn, reps)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return time_steps(g.replay, reps)
+
+
+def compute_only(ex, preset, batch: int, ctx: int, num_nodes: int, reps: int) -> dict:
+    """Dense work of one layer at B, attention at B/N and ctx, and logits, timed alone."""
+    from tknp_megatron.executor.step_inputs import prepare_inputs
+
+    layer_id = ex.model.layer_ids[0]
+    block = ex.model.layer(layer_id)
+    hidden = torch.randn(batch, 1, preset.hidden_size, device=ex.device, dtype=ex.dtype)
+    attn_in = torch.randn(batch, 1, ex.heads * ex.head_dim, device=ex.device, dtype=ex.dtype)
+
+    def dense():
+        qkv, _ = block.self_attention.linear_qkv(block.input_layernorm(hidden))
+        finish_layer(block, attn_in, hidden)
+        return qkv
+
+    plan = decode_plan(batch, ctx, num_nodes, 0)
+    inp = prepare_inputs(plan, ex.node, ex.kv, ex.rope, ex.device)
+    rows = plan.rows_per_owner[ex.node]
+    qkv_rows = torch.randn(rows, ex.qkv_width, device=ex.device, dtype=ex.dtype)
+    out = dict(dense_ms=graph_time(dense, reps) * 1e3,
+               attention_ms=graph_time(lambda: ex.attend(layer_id, qkv_rows, inp), reps) * 1e3)
+    if ex.model.output_layer is not None:
+        g = ex.groups
+        out["logits_ms"] = graph_time(
+            lambda: vocab_logits(ex.model, hidden, inp.last_rows, g.tp_group, g.tp_size, ex.vocab_size),
+            reps) * 1e3
+    return out
+
+
+def check_graph_tokens(ex, batch: int, ctx: int, n: int, steps: int = 4) -> bool:
+    """Graph replay gives the tokens of eager steps from the same KV state.
+
+    Both runs write the KV of positions ctx-1.. before reading them, and never read past
+    their own step, so the second run sees exactly the state the first one did.
+    """
+    runs = []
+    for use_graph in (False, True):
+        ex.graphs = None
+        if use_graph:
+            ex.enable_cuda_graphs()
+        tokens, out = None, []
+        for step in range(steps):
+            tokens = ex.execute(decode_plan(batch, ctx, n, step, tokens)).tokens
+            out.append(tokens.cpu())
+        runs.append(torch.stack(out))
+    ex.graphs = None
+    return bool(torch.equal(runs[0], runs[1]))
+
+
+def bench_shape(ex, preset, batch, ctx, args) -> dict:
+    n = ex.groups.num_nodes
+    plan = decode_plan(batch, ctx, n, 0)
+    ex.graphs = None
+    eager_s = time_steps(lambda: ex.execute(plan), args.reps)
+    timer = PhaseTimer(ex.device)
+    phases = PhaseTimes()
+    for _ in range(5):
+        timer.start()
+        ex.execute(plan, timer)
+        phases = phases + timer.summary()
+    phases = PhaseTimes(*(getattr(phases, f) / 5 for f in phases.__dataclass_fields__))
+    ex.enable_cuda_graphs()  # off GPU: the padded decode path, run eagerly
+    graph_s = time_steps(lambda: ex.execute(plan), args.reps)
+    kernels = kernel_profile(lambda: ex.execute(plan)) if args.profile and torch.cuda.is_available() else {}
+    ex.graphs = None
+    parts = compute_only(ex, preset, batch, ctx, n, args.reps)
+    return dict(B=batch, ctx=ctx, eager_ms=eager_s * 1e3, graph_ms=graph_s * 1e3,
+                phases_ms={k: getattr(phases, k) * 1e3 for k in phases.__dataclass_fields__},
+                **kernels, **parts)
+
+
+def kernel_profile(fn, reps: int = 5, top: int = 14) -> dict:
+    """GPU kernels of ``fn`` (a graphed step): busy time per step and the top kernels.
+
+    ``busy_ms`` sums kernel durations per step (NCCL kernels include their wait for the
+    peer); graph step time minus busy time is GPU idle time (launch gaps, host).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / 1e3 / reps, e.count / reps) for e in prof.key_averages()]
+    rows.sort(key=lambda r: -r[1])
+    return dict(busy_ms=sum(r[1] for r in rows),
+                kernels=[dict(name=k[:90], ms=round(ms, 4), calls=c) for k, ms, c in rows[:top]])
+
+
+def summarize(rows_by_rank, layers: int) -> list:
+    """Combine ranks: critical path and exposed communication share per shape."""
+    out = []
+    for shape_rows in zip(*rows_by_rank):
+        r0 = dict(shape_rows[0])
+        dense = max(r["dense_ms"] for r in shape_rows)
+        attn = max(r["attention_ms"] for r in shape_rows)
+        logits = max(r.get("logits_ms", 0.0) for r in shape_rows)
+        critical = layers * (dense + attn) + logits
+        r0.update(dense_ms=dense, attention_ms=attn, logits_ms=logits, critical_ms=critical,
+                  exposed_comm_share=max(0.0, 1 - critical / r0["graph_ms"]),
+                  phases_ms_by_rank=[r["phases_ms"] for r in shape_rows],
+                  busy_ms_by_rank=[r.get("busy_ms") for r in shape_rows])
+        r0.pop("phases_ms", None)
+        out.append(r0)
+    return out
+
+
+def main():
+    warnings.simplefilter("ignore")
+    args = parse_args()
+    if args.dry_run:
+        dist.init_process_group("gloo")
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl")
+    groups, preset, placement, ex = setup(args)
+    n = groups.num_nodes
+    same = check_graph_tokens(ex, min(args.batches), min(args.contexts), n)
+    rows = []
+    with torch.no_grad():
+        for ctx in args.contexts:
+            for batch in args.batches:
+                rows.append(bench_shape(ex, preset, batch, ctx, args))
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, rows)
+    if dist.get_rank() == 0:
+        table = summarize(gathered, args.layers)
+        report = dict(model=args.model, layers=args.layers, nodes=n, tp=1,
+                      placement=placement.describe(), graph_tokens_equal_eager=same,
+                      gpu=torch.cuda.get_device_name() if not args.dry_run else "cpu (dry run)",
+                      rows=table)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=1)
+        print(f"graph replay tokens == eager tokens: {same}")
+        print(f"{'B':>5} {'ctx':>6} {'eager_ms':>9} {'graph_ms':>9} {'dense_ms':>9} "
+              f"{'attn_ms':>8} {'crit_ms':>8} {'exposed':>8}")
+        for r in table:
+            print(f"{r['B']:>5} {r['ctx']:>6} {r['eager_ms']:>9.2f} {r['graph_ms']:>9.2f} "
+                  f"{r['dense_ms']:>9.3f} {r['attention_ms']:>8.3f} {r['critical_ms']:>8.2f} "
+                  f"{r['exposed_comm_share']:>8.1%}")
+        for r in table:
+            print(f"B={r['B']} ctx={r['ctx']} eager phases (ms, per rank):",
+                  [{k: round(v, 2) for k, v in p.items()} for p in r["phases_ms_by_rank"]])
+        for r in table:
+            if "busy_ms" in r:
+                print(f"B={r['B']} ctx={r['ctx']} rank 0 graphed step: kernels busy {r['busy_ms']:.2f} ms"
+                      f" of {r['graph_ms']:.2f} ms")
+                for k in r["kernels"]:
+                    print(f"    {k['ms']:8.3f} ms  x{k['calls']:<6.0f} {k['name']}")
+        sys.stdout.flush()
+    dist.barrier()
+    os._exit(0)  # NCCL teardown after capturing P2P can hang (DEVICE.md)
+
+
+if __name__ == "__main__":
+    main()
