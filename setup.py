@@ -16,6 +16,17 @@ setup(
         "numpy",
         "packaging",
     ],
+    entry_points={
+        "console_scripts": [
+            "tknp-bench-attention = tknp_megatron.tools.bench_attention:cli",
+            "tknp-bench-host = tknp_megatron.tools.bench_host:main",
+            "tknp-bench-serving = tknp_megatron.tools.bench_serving:main",
+            "tknp-bench-step = tknp_megatron.tools.bench_step:main",
+            "tknp-capacity-report = tknp_megatron.tools.capacity_report:main",
+            "tknp-convert-hf = tknp_megatron.tools.convert_hf_checkpoint:main",
+            "tknp-traffic-report = tknp_megatron.tools.traffic_report:main",
+        ],
+    },
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "triton", "psutil", "matplotlib>=3.6", "transformers", "safetensors"],
         "gpu": ["triton"],

@@ -24,6 +24,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tests.dcp_workers import DCPCase, dcp_worker, reference_worker  # noqa: E402
+from tests.helpers import random_prompts  # noqa: E402
 from tests.tknp_workers import Scenario  # noqa: E402
 from tknp_megatron.attention.torch_ref import attend_one_request  # noqa: E402
 from tknp_megatron.attention.triton_paged import TritonConfig  # noqa: E402
@@ -45,17 +46,11 @@ CASES = [
 ]
 
 
-def _prompts(n, lo, hi, seed, vocab=512):
-    g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
-    return tuple(tuple(torch.randint(0, vocab, (k,), generator=g).tolist()) for k in lens)
-
-
 SCENARIOS = [
     # 8 requests, 140 tokens reserved, 48 in the pool: several waves, mid-batch completions
-    Scenario("waves", "tiny", _prompts(8, 1, 23, 11), (6, 3, 8, 1, 5, 7, 2, 4),
+    Scenario("waves", "tiny", random_prompts(8, 1, 23, 11), (6, 3, 8, 1, 5, 7, 2, 4),
              kv_tokens_per_node=48, block_size=4),
-    Scenario("sampled", "tiny", _prompts(4, 2, 12, 12), (4, 6, 3, 5), kv_tokens_per_node=96,
+    Scenario("sampled", "tiny", random_prompts(4, 2, 12, 12), (4, 6, 3, 5), kv_tokens_per_node=96,
              temperature=0.8, top_k=40, top_p=0.9, block_size=8),
 ]
 

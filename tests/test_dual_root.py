@@ -1,7 +1,7 @@
 """Dual-active-root microbatching (paper 4.5) on real gloo pools vs the Megatron reference.
 
 Two microbatches, each with its own active root per layer on the dual placement, run
-half a layer apart (tknp_megatron/dual_root.py). Greedy and seeded tokens must equal the
+half a layer apart (tknp_megatron/executor/dual_root.py). Greedy and seeded tokens must equal the
 reference exactly and logits agree within 1e-4 (fp32, CPU) for (N, T) in {(2,1), (4,1),
 (2,2)}: admission waves under a tight budget, requests ending mid-batch or on EOS, KV
 ingested from outside, a pool where a node or a microbatch holds no request, and the
@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import reference_kvs, spawn_runs
 from tests.tknp_workers import SCENARIOS, SEED, tknp_worker
-from tknp_megatron.launch import spawn
 
 WORLDS = {2: [(2, 1)], 4: [(4, 1), (2, 2)]}
 SHAPES = [s for shapes in WORLDS.values() for s in shapes]
@@ -25,13 +25,9 @@ DUAL_SCENARIOS = [s for s in SCENARIOS if s.name in NAMES]
 
 @pytest.fixture(scope="module")
 def dual(reference):
-    kvs = {name: kv for name, (_, kv) in reference.items() if kv is not None}
-    out = {}
-    for world, shapes in WORLDS.items():
-        per_rank = spawn(tknp_worker, world, (shapes, DUAL_SCENARIOS, SEED, kvs, None, 2), timeout_s=400)
-        for rank_out in per_rank:
-            out.update({k: v for k, v in rank_out.items() if v is not None})
-    return out
+    kvs = reference_kvs(reference)
+    args = {world: (shapes, DUAL_SCENARIOS, SEED, kvs, None, 2) for world, shapes in WORLDS.items()}
+    return dict(spawn_runs(tknp_worker, args))
 
 
 CASES = [(shape, s) for shape in SHAPES for s in DUAL_SCENARIOS]

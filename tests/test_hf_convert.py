@@ -14,55 +14,8 @@ import warnings
 import pytest
 import torch
 
+from tests.helpers import make_hf_llama, make_hf_nemotron
 from tknp_megatron.launch import spawn
-
-SEQ = 160
-
-
-def _perturb_norms(model):
-    """HF inits norms to 1 (weight) / 0 (bias): randomise so the norm mapping is tested."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-
-
-def _save_and_run(model, folder, vocab):
-    model.save_pretrained(folder, safe_serialization=True)
-    ids = torch.randint(0, vocab, (SEQ,), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        logits = model(ids[None]).logits[0].float()
-    return ids, logits
-
-
-def _make_hf(folder, rope_scaling):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                      max_position_embeddings=512, rope_theta=500000.0, rms_norm_eps=1e-5,
-                      rope_scaling=rope_scaling, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).float().eval()
-    _perturb_norms(model)
-    return _save_and_run(model, folder, 256)
-
-
-def _make_hf_nemotron(folder):
-    from transformers import NemotronConfig, NemotronForCausalLM
-
-    cfg = NemotronConfig(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         vocab_size=512, max_position_embeddings=512, norm_eps=1e-5,
-                         rope_theta=10000.0, partial_rotary_factor=0.5,
-                         tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = NemotronForCausalLM(cfg).float().eval()
-    # HF's init sets LayerNorm1P weight = 1 (gamma 2), bias 0; give the +1 and the biases
-    # (final norm included) values that differ per channel.
-    _perturb_norms(model)
-    assert {n for n, _ in model.named_parameters() if "norm" in n and n.endswith("bias")}
-    return _save_and_run(model, folder, 512)
 
 
 def convert_and_run(rank, world, hf_dir, out_dir, ids):
@@ -94,7 +47,7 @@ def convert_and_run(rank, world, hf_dir, out_dir, ids):
 def test_hf_llama_logits_match(tmp_path, scaling):
     pytest.importorskip("transformers")
     hf_dir, out_dir = tmp_path / "hf", tmp_path / "mcore"
-    ids, expected = _make_hf(hf_dir, scaling)
+    ids, expected = make_hf_llama(hf_dir, scaling)
     logits, preset = spawn(convert_and_run, 1, (str(hf_dir), str(out_dir), ids), timeout_s=120)[0]
     assert preset.gpt.rope_scaling == (scaling is not None)
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
@@ -116,7 +69,7 @@ def test_hf_config_preset():
 def test_hf_nemotron_logits_match(tmp_path):
     pytest.importorskip("transformers")
     hf_dir, out_dir = tmp_path / "hf", tmp_path / "mcore"
-    ids, expected = _make_hf_nemotron(hf_dir)
+    ids, expected = make_hf_nemotron(hf_dir)
     logits, preset = spawn(convert_and_run, 1, (str(hf_dir), str(out_dir), ids), timeout_s=120)[0]
     assert (preset.gated, preset.activation.value, preset.normalization) == (
         False, "squared_relu", "LayerNorm")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_tokenizer import make_tiny_tokenizer
+from tests.helpers import make_hf_llama, make_tiny_tokenizer, save_gpt_checkpoint
 from tknp_megatron.launch import spawn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,10 +51,9 @@ def _run_job(out: Path, *args) -> dict:
 def save_worker(rank, world, config, ckpt_dir):
     """Plain Megatron-Core: a seeded GPTModel at TP=2, dist_checkpointing.save."""
     warnings.simplefilter("ignore")
-    from tests.test_checkpoint import _save
     from tknp_megatron.models.checkpoint import preset_from_model_config
 
-    _save(preset_from_model_config(config), 2, ckpt_dir)
+    save_gpt_checkpoint(preset_from_model_config(config), 2, ckpt_dir, seed=11)
 
 
 def test_default_job(tmp_path):
@@ -102,9 +101,7 @@ def test_tokenizer_prompts(tmp_path):
 
 def test_hf_llama_job(tmp_path):
     pytest.importorskip("transformers")
-    from tests.test_hf_convert import _make_hf
-
-    _make_hf(tmp_path / "hf", None)  # Llama, 3 layers, GQA 4/2, vocab 256
+    make_hf_llama(tmp_path / "hf", None)  # Llama, 3 layers, GQA 4/2, vocab 256
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps([[1, 2, 3, 4], [100, 200, 5]]))
     report = _run_job(tmp_path / "out.json", "--hf", tmp_path / "hf", "--prompts-file", prompts,

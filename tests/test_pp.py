@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import reference_kvs, spawn_runs
 from tests.tknp_workers import SCENARIOS, SEED, tknp_worker
 from tknp_megatron.baselines.pp import PPInferenceEngine
-from tknp_megatron.launch import spawn
 
 WORLDS = {2: [(1, 2), (2, 1)], 3: [(3, 1)], 4: [(2, 2)]}
 SHAPES = [s for shapes in WORLDS.values() for s in shapes]
@@ -23,13 +23,10 @@ INGEST = [s for s in SCENARIOS if s.ingest]
 
 @pytest.fixture(scope="module")
 def pp(reference):
-    kvs = {name: kv for name, (_, kv) in reference.items() if kv is not None}
-    out = {}
-    for world, shapes in WORLDS.items():
-        args = (shapes, PP_SCENARIOS + INGEST[:1] * (world == 2), SEED, kvs, PPInferenceEngine)
-        for rank_out in spawn(tknp_worker, world, args, timeout_s=400):
-            out.update({k: v for k, v in rank_out.items() if v is not None})
-    return out
+    kvs = reference_kvs(reference)
+    args = {world: (shapes, PP_SCENARIOS + INGEST[:1] * (world == 2), SEED, kvs, PPInferenceEngine)
+            for world, shapes in WORLDS.items()}
+    return dict(spawn_runs(tknp_worker, args))
 
 
 CASES = [(shape, s) for shape in SHAPES for s in PP_SCENARIOS]

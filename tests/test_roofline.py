@@ -2,7 +2,7 @@
 
 import pytest
 
-from tknp_megatron.analysis.roofline import H200, _dense_s, predicted_step_s
+from tknp_megatron.analysis.roofline import H200, dense_gemm_s, predicted_step_s
 from tknp_megatron.config import get_preset
 
 L70 = get_preset("llama3.1-70b")
@@ -10,10 +10,10 @@ L70 = get_preset("llama3.1-70b")
 
 def test_dense_calibration_points_and_scaling():
     for rows, t in zip(H200.dense_rows, H200.dense_s):
-        assert _dense_s(H200, rows, H200.dense_ref_bytes) == pytest.approx(t)
-    assert _dense_s(H200, 8, H200.dense_ref_bytes) == pytest.approx(400e-6)  # weight-read bound
-    assert _dense_s(H200, 96, H200.dense_ref_bytes) == pytest.approx((478e-6 + 619e-6) / 2)
-    assert _dense_s(H200, 64, H200.dense_ref_bytes / 2) == pytest.approx(478e-6 / 2)  # TP2 slice
+        assert dense_gemm_s(H200, rows, H200.dense_ref_bytes) == pytest.approx(t)
+    assert dense_gemm_s(H200, 8, H200.dense_ref_bytes) == pytest.approx(400e-6)  # weight-read bound
+    assert dense_gemm_s(H200, 96, H200.dense_ref_bytes) == pytest.approx((478e-6 + 619e-6) / 2)
+    assert dense_gemm_s(H200, 64, H200.dense_ref_bytes / 2) == pytest.approx(478e-6 / 2)  # TP2 slice
 
 
 @pytest.mark.parametrize("mode", ["tknp", "tknp-dual", "dp", "tp", "pp", "dcp"])

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import reference_kvs, spawn_runs
 from tests.tknp_workers import SCENARIOS, SEED, tknp_worker
-from tknp_megatron.launch import spawn
 
 WORLDS = {1: [(1, 1)], 2: [(2, 1), (1, 2)], 3: [(3, 1)], 4: [(4, 1), (2, 2)]}
 ALL_SHAPES = [s for shapes in WORLDS.values() for s in shapes]
@@ -23,15 +23,12 @@ DP_SHAPE = (1, 2, 2)
 
 @pytest.fixture(scope="module")
 def tknp(reference):
-    kvs = {name: kv for name, (_, kv) in reference.items() if kv is not None}
+    kvs = reference_kvs(reference)
+    args = {world: (shapes + ([DP_SHAPE] if world == 4 else []), SCENARIOS, SEED, kvs)
+            for world, shapes in WORLDS.items()}
     out = {}
-    for world, shapes in WORLDS.items():
-        shapes = shapes + ([DP_SHAPE] if world == 4 else [])
-        per_rank = spawn(tknp_worker, world, (shapes, SCENARIOS, SEED, kvs), timeout_s=400)
-        for rank_out in per_rank:
-            for key, run in rank_out.items():
-                if run is not None:
-                    _merge(out, key, run)
+    for key, run in spawn_runs(tknp_worker, args):
+        _merge(out, key, run)
     return out
 
 

@@ -8,48 +8,13 @@ BOS is kept only when the tokenizer adds it by default, EOS is found.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
+from tests.helpers import make_tiny_tokenizer
 from tknp_megatron.models import tokenizer as tokenizer_module
 from tknp_megatron.models.tokenizer import Tokenizer
 
-SENTENCES = [
-    "the quick brown fox jumps over the lazy dog",
-    "token parallel decode spreads requests over nodes",
-    "every node keeps the cache of the requests it owns",
-    "megatron core builds the layers of the model",
-    "a small model answers with a few tokens",
-] * 4
 TEXT = "the quick model decodes tokens over nodes"
-
-
-def make_tiny_tokenizer(folder, vocab_size: int = 200, bos: bool = False) -> Path:
-    """Train a BPE tokenizer (Metaspace, ~``vocab_size`` ids) on :data:`SENTENCES`; save a HF folder.
-
-    Special tokens ``<unk>`` (0), ``<s>`` (1), ``</s>`` (2). ``bos``: a post-processor
-    puts ``<s>`` in front of every encoding, as Llama's tokenizers do.
-    """
-    from tokenizers import Tokenizer as RawTokenizer
-    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tok = RawTokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    tok.decoder = decoders.Metaspace()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"])
-    tok.train_from_iterator(SENTENCES, trainer)
-    if bos:
-        tok.post_processor = processors.TemplateProcessing(
-            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(dict(
-        tokenizer_class="PreTrainedTokenizerFast", bos_token="<s>", eos_token="</s>",
-        unk_token="<unk>", add_bos_token=bos)))
-    return folder
 
 
 @pytest.mark.parametrize("backend", ["transformers", "tokenizers"])

@@ -1,4 +1,4 @@
-"""Balanced contiguous layer-block placement by bytes (paper 4.2 and 4.5, DESIGN 4).
+"""Balanced contiguous layer-block placement by bytes (paper 4.2 and 4.5).
 
 One copy of the weights is cut into N contiguous layer blocks, one per node, so that the
 largest per-node weight footprint is as small as possible. Bytes are counted at each
@@ -8,17 +8,26 @@ final norm and output layer with the last.
 
 Dual-active-root copy (even N): block b is stored on nodes b and (b + N/2) mod N, so node n
 stores blocks n and (n - N/2) mod N, and microbatch m uses root (b + m N/2) mod N.
+
+This module holds the byte accounting (:func:`model_bytes`) and the layout
+(:class:`Placement`); the exact min-max searches over layer blocks live in
+:mod:`tknp_megatron.partition` (``balance_contiguous`` is re-exported here).
 """
 
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import List, NamedTuple, Optional, Sequence, Tuple
-
-import numpy as np
+from typing import NamedTuple, Optional, Tuple
 
 from tknp_megatron.config import ModelPreset
+from tknp_megatron.partition import (
+    Block,
+    balance_contiguous,
+    balance_pairs,
+    block_sums,
+    check_blocks,
+)
 
 __all__ = [
     "GIB",
@@ -32,8 +41,6 @@ __all__ = [
 ]
 
 GIB = 1 << 30
-Block = Tuple[int, int]
-_NEG = np.iinfo(np.int64).min // 4  # "unreachable" in the dual-copy search
 
 
 class Handoff(NamedTuple):
@@ -105,140 +112,6 @@ def model_bytes(
     )
 
 
-def _check_blocks(num_items: int, num_blocks: int) -> None:
-    if num_blocks < 1:
-        raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-    if num_blocks > num_items:
-        raise ValueError(f"cannot cut {num_items} layers into {num_blocks} non-empty blocks")
-
-
-def _prefix(values: Sequence[int]) -> List[int]:
-    out = [0]
-    for v in values:
-        if v < 0:
-            raise ValueError(f"layer bytes must be non-negative, got {v}")
-        out.append(out[-1] + int(v))
-    return out
-
-
-def _blocks_from_cuts(cuts: Sequence[int]) -> Tuple[Block, ...]:
-    return tuple((int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:]))
-
-
-def _block_sums(prefix, blocks, first_extra: int, last_extra: int) -> List[int]:
-    sums = [prefix[e] - prefix[s] for s, e in blocks]
-    sums[0] += first_extra
-    sums[-1] += last_extra
-    return sums
-
-
-def balance_contiguous(
-    layer_bytes: Sequence[int], num_blocks: int, first_extra: int = 0, last_extra: int = 0
-) -> Tuple[Block, ...]:
-    """Exact min-max partition of the layers into ``num_blocks`` non-empty contiguous blocks.
-
-    Block 0 also carries ``first_extra`` bytes and the last block ``last_extra``. Dynamic
-    programme over (blocks used, layers covered), O(num_blocks * L^2). Returns the blocks as
-    ``[start, end)`` pairs in order.
-    """
-    n = len(layer_bytes)
-    _check_blocks(n, num_blocks)
-    prefix = _prefix(layer_bytes)
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(num_blocks + 1)]
-    arg = [[0] * (n + 1) for _ in range(num_blocks + 1)]
-    best[0][0] = 0
-    for j in range(1, num_blocks + 1):
-        for i in range(j, n - (num_blocks - j) + 1):
-            tail = last_extra if i == n else 0
-            for p in range(j - 1, i):
-                cost = prefix[i] - prefix[p] + tail + (first_extra if p == 0 else 0)
-                value = max(best[j - 1][p], cost)
-                if value < best[j][i]:
-                    best[j][i], arg[j][i] = value, p
-    cuts = [n]
-    for j in range(num_blocks, 0, -1):
-        cuts.append(arg[j][cuts[-1]])
-    return _blocks_from_cuts(cuts[::-1])
-
-
-def _pair_max(prefix, blocks, first_extra: int, last_extra: int) -> int:
-    sums = _block_sums(prefix, blocks, first_extra, last_extra)
-    half = len(sums) // 2
-    return max(sums[b] + sums[b + half] for b in range(half))
-
-
-def _pairs_at_split(prefix: np.ndarray, half: int, cap: int, m: int, fe: int, le: int):
-    """Cuts with block b (in [0, m)) plus block b + half (in [m, L)) <= cap, or None.
-
-    State (i, j): the first half is cut up to layer i, the second up to layer j. A step to
-    (i', j') costs P(i') - P(i) + P(j') - P(j), so (i', j') is reachable iff the largest
-    P(i) + P(j) over reachable states strictly below-left is >= P(i') + P(j') - budget:
-    a 2D running maximum per step.
-    """
-    s = prefix[: m + 1, None] + prefix[None, m:]
-    rows, cols = s.shape
-    reach = np.zeros(s.shape, dtype=bool)
-    reach[0, 0] = True
-    history, budgets = [], []
-    for b in range(half):
-        budget = cap - (fe if b == 0 else 0) - (le if b == half - 1 else 0)
-        best = np.where(reach, s, _NEG)
-        best = np.maximum.accumulate(np.maximum.accumulate(best, axis=0), axis=1)
-        below = np.full(s.shape, _NEG, dtype=np.int64)
-        below[1:, 1:] = best[:-1, :-1]
-        history.append(reach)
-        budgets.append(budget)
-        reach = s - budget <= below
-        left = half - 1 - b  # blocks still to place in each half: leave a layer for each
-        if left:
-            reach[rows - left :, :] = False
-            reach[:, cols - left :] = False
-        if not reach.any():
-            return None
-    if not reach[-1, -1]:
-        return None
-    i, j = rows - 1, cols - 1
-    first, second = [i], [j + m]
-    for b in range(half - 1, -1, -1):
-        ok = history[b][:i, :j] & (s[:i, :j] >= s[i, j] - budgets[b])
-        i, j = (int(x) for x in np.argwhere(ok)[0])
-        first.append(i)
-        second.append(j + m)
-    return first[::-1] + second[::-1][1:]
-
-
-def _balance_pairs(
-    layer_bytes: Sequence[int], num_blocks: int, first_extra: int, last_extra: int
-) -> Tuple[Block, ...]:
-    """Exact partition into ``num_blocks`` (even) blocks minimising max(block b + block b+N/2).
-
-    Bisection on the cap with an exact feasibility test per split point m (the first layer
-    of block N/2), starting from the single-copy optimum, which is kept on ties.
-    """
-    n = len(layer_bytes)
-    _check_blocks(n, num_blocks)
-    half = num_blocks // 2
-    blocks = balance_contiguous(layer_bytes, num_blocks, first_extra, last_extra)
-    prefix_list = _prefix(layer_bytes)
-    prefix = np.asarray(prefix_list, dtype=np.int64)
-    hi = _pair_max(prefix_list, blocks, first_extra, last_extra)
-    lo = -(-(prefix_list[-1] + first_extra + last_extra) // half)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        cuts = None
-        for m in range(half, n - half + 1):
-            cuts = _pairs_at_split(prefix, half, mid, m, first_extra, last_extra)
-            if cuts is not None:
-                break
-        if cuts is None:
-            lo = mid + 1
-        else:
-            blocks = _blocks_from_cuts(cuts)
-            hi = _pair_max(prefix_list, blocks, first_extra, last_extra)
-    return blocks
-
-
 @dataclass(frozen=True)
 class Placement:
     """Which node stores which layer block, and which node is root for each layer.
@@ -258,7 +131,7 @@ class Placement:
     node_bytes: Tuple[int, ...]
 
     def __post_init__(self) -> None:
-        _check_blocks(self.num_layers, self.num_nodes)
+        check_blocks(self.num_layers, self.num_nodes)
         if len(self.blocks) != self.num_nodes or len(self.node_bytes) != self.num_nodes:
             raise ValueError("need one block and one byte count per node")
         edges = [0] + [e for _, e in self.blocks]
@@ -362,9 +235,9 @@ def placement_from_bytes(weights: ModelBytes, num_nodes: int, dual: bool = False
     if dual and (num_nodes < 2 or num_nodes % 2):
         raise ValueError(f"dual copy needs an even num_nodes >= 2, got {num_nodes}")
     fe, le = weights.embedding, weights.output
-    balance = _balance_pairs if dual else balance_contiguous
+    balance = balance_pairs if dual else balance_contiguous
     blocks = balance(weights.layers, num_nodes, fe, le)
-    sums = _block_sums(_prefix(weights.layers), blocks, fe, le)
+    sums = block_sums(weights.layers, blocks, fe, le)
     if dual:
         half = num_nodes // 2
         node_bytes = tuple(sums[b] + sums[(b + half) % num_nodes] for b in range(num_nodes))

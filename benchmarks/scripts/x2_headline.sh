@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Issue 6 headline on nvidia-h200-x2: every mode on the same traces, one invocation per part.
+# The headline run on 2 x H200: every mode on the same traces, one invocation per part.
 # 12 of Llama-3.1-70B's layers (23 GiB of bf16 weights with embedding and output layer),
-# each GPU capped at 34.6 GiB so one copy takes two thirds of a GPU, as in the issue's
-# 56-layer / 93 GiB configuration; output 256 tokens.
+# each GPU capped at 34.6 GiB so one copy takes two thirds of a GPU, as a full
+# 56-layer / 93 GiB configuration would; output 256 tokens.
 # PARTS (space-separated, in order): step ctx32k ctx64k; MODES overrides the modes;
 # LIMIT32 / LIMIT64 the seconds each part may run (finished rows stay in partial.jsonl).
 set -u

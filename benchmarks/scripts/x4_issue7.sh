@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 7 on nvidia-h200-x4: TKNP (2,2) and (4,1) against the reference, then the side by
+# 4 x H200: TKNP (2,2) and (4,1) against the reference, then the side by
 # side (TKNP 2x2, DP 2 x TP2, TP4, PP 2 x TP2, DCP TP4 on a 2-KV-head variant).
 # Run from the repo root with megatron-core importable; results under $OUT.
 set -u

@@ -2,10 +2,10 @@
 
 A step gives every resident request one token. Per layer each mode pays dense work
 (weight reads amortised over its batch), attention (reading the KV it holds), and its
-communication; layers run in sequence. The per-op costs are calibrated on the lent
-H200s (``../shared/DEVICE.md`` and ``benchmarks/RESULTS.md``): a Llama-70B layer's
-bf16 GEMMs take 400 us up to B=32, 478 us at 64 and 619 us at 128 on one GPU (scaled by
-weight bytes for other shapes and TP slices), KV is read at 4.3 TB/s, an all-reduce of
+communication; layers run in sequence. The per-op costs are calibrated on H200s
+(measurements in ``benchmarks/RESULTS.md``): a Llama-70B layer's bf16 GEMMs take 400 us
+up to B=32, 478 us at 64 and 619 us at 128 on one GPU (scaled by weight bytes for other
+shapes and TP slices), KV is read at 4.3 TB/s, an all-reduce of
 [B, D] costs 20 us + bytes / 336 GB/s, and a graphed root<->owner exchange 21 us +
 bytes / 336 GB/s per direction. Benchmarks report measured / predicted per mode, so an
 implementation gap is told apart from the physics.
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from tknp_megatron.config import ModelPreset
 
-__all__ = ["Hardware", "H200", "predicted_step_s"]
+__all__ = ["Hardware", "H200", "dense_gemm_s", "predicted_step_s"]
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class Hardware:
 H200 = Hardware()
 
 
-def _dense_s(hw: Hardware, rows: float, weight_bytes: float) -> float:
+def dense_gemm_s(hw: Hardware, rows: float, weight_bytes: float) -> float:
     """GEMM time of ``weight_bytes`` of weights over ``rows`` rows, from the calibration."""
     if rows <= 0:
         return 0.0
@@ -85,7 +85,7 @@ def _allreduce_s(hw: Hardware, rows: float, preset: ModelPreset, ranks: int) -> 
 
 
 def _logits_s(hw: Hardware, preset: ModelPreset, rows: float, tp: int) -> float:
-    return _dense_s(hw, rows, 2.0 * preset.vocab_size * preset.hidden_size / tp)
+    return dense_gemm_s(hw, rows, 2.0 * preset.vocab_size * preset.hidden_size / tp)
 
 
 def predicted_step_s(
@@ -110,7 +110,7 @@ def predicted_step_s(
         per_owner = batch / nodes
         exch = 2 * (hw.p2p_s + per_owner * (preset.qkv_width + preset.num_attention_heads
                                              * preset.kv_channels) * 2 / tp / hw.link_bw)
-        layer = (_dense_s(hw, batch, w / tp) + 2 * _allreduce_s(hw, batch, preset, tp)
+        layer = (dense_gemm_s(hw, batch, w / tp) + 2 * _allreduce_s(hw, batch, preset, tp)
                  + _kv_bytes(preset, per_owner * context, hkv / tp) / hw.kv_bw
                  + (exch if nodes > 1 else 0.0))
         return L * layer + _logits_s(hw, preset, batch, tp)
@@ -120,24 +120,24 @@ def predicted_step_s(
         per_owner = batch / (2 * nodes)
         exch = 2 * (hw.p2p_s + per_owner * (preset.qkv_width + preset.num_attention_heads
                                              * preset.kv_channels) * 2 / tp / hw.link_bw)
-        half = (_dense_s(hw, batch / 2, w / tp) + 2 * _allreduce_s(hw, batch / 2, preset, tp)
+        half = (dense_gemm_s(hw, batch / 2, w / tp) + 2 * _allreduce_s(hw, batch / 2, preset, tp)
                 + _kv_bytes(preset, per_owner * context, hkv / tp) / hw.kv_bw + exch)
         return L * 2 * half + 2 * _logits_s(hw, preset, batch / 2, tp)
     if mode == "dp":
         b = batch / nodes
-        layer = (_dense_s(hw, b, w / tp) + 2 * _allreduce_s(hw, b, preset, tp)
+        layer = (dense_gemm_s(hw, b, w / tp) + 2 * _allreduce_s(hw, b, preset, tp)
                  + _kv_bytes(preset, b * context, hkv / tp) / hw.kv_bw)
         return L * layer + _logits_s(hw, preset, b, tp)
     if mode in ("tp", "dcp"):
         heads = hkv / world if mode == "dcp" or world <= hkv else 1.0  # TP replicates past Hkv
-        layer = (_dense_s(hw, batch, w / world) + 2 * _allreduce_s(hw, batch, preset, world)
+        layer = (dense_gemm_s(hw, batch, w / world) + 2 * _allreduce_s(hw, batch, preset, world)
                  + _kv_bytes(preset, batch * context, heads) / hw.kv_bw)
         if mode == "dcp":
             layer += 2 * hw.collective_s  # query all-gather and partial-output merge
         return L * layer + _logits_s(hw, preset, batch, world)
     if mode == "pp":
         mb = batch / nodes  # about N microbatches; each stage runs L/N layers per microbatch
-        layer = (_dense_s(hw, mb, w / tp) + 2 * _allreduce_s(hw, mb, preset, tp)
+        layer = (dense_gemm_s(hw, mb, w / tp) + 2 * _allreduce_s(hw, mb, preset, tp)
                  + _kv_bytes(preset, mb * context, hkv / tp) / hw.kv_bw)
         return nodes * (L / nodes) * layer + _logits_s(hw, preset, batch, tp)
     raise ValueError(f"unknown mode {mode!r}")

@@ -4,6 +4,11 @@ Backends register themselves on import: ``torch`` (reference), ``sdpa`` (vectori
 torch), ``triton`` (paged split-K decode; needs ``triton`` and CUDA, or
 ``TRITON_INTERPRET=1`` on CPU) and ``flash`` (only when ``flash_attn`` imports).
 ``get_backend(None, device)`` picks ``triton`` on CUDA when usable, else ``torch``.
+
+The Triton launch helpers (:class:`TritonConfig`, :func:`choose_num_splits`,
+:func:`decode_group_pad`, :func:`device_num_sms`, :func:`load_kernels`, ...) are public so
+that other callers of the paged kernels (DCP's partial attention over one sequence shard)
+launch them exactly as the ``triton`` backend does.
 """
 
 from tknp_megatron.attention import flash as _flash  # noqa: F401  (registers "flash"; imports flash_attn lazily)
@@ -17,6 +22,19 @@ from tknp_megatron.attention.registry import (
     get_backend,
     register_backend,
 )
+from tknp_megatron.attention.triton_paged import (
+    H200_NUM_SMS,
+    TritonConfig,
+    choose_num_splits,
+    decode_group_pad,
+    device_num_sms,
+    interpreter_upcast,
+    load_kernels,
+    next_pow2,
+    triton_importable,
+    triton_interpreting,
+    triton_supports_device,
+)
 
 __all__ = [
     "AttentionMetadata",
@@ -25,4 +43,16 @@ __all__ = [
     "available_backends",
     "default_backend_name",
     "register_backend",
+    # Triton launch helpers
+    "H200_NUM_SMS",
+    "TritonConfig",
+    "choose_num_splits",
+    "decode_group_pad",
+    "device_num_sms",
+    "interpreter_upcast",
+    "load_kernels",
+    "next_pow2",
+    "triton_importable",
+    "triton_interpreting",
+    "triton_supports_device",
 ]

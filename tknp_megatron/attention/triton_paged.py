@@ -30,9 +30,24 @@ from tknp_megatron.attention.base import AttentionBackend, AttentionMetadata
 from tknp_megatron.attention.registry import register_backend
 from tknp_megatron.attention.sdpa import sdpa_paged
 
-__all__ = ["TritonConfig", "TritonPagedBackend", "choose_num_splits", "triton_importable"]
+__all__ = [
+    "TritonConfig",
+    "TritonPagedBackend",
+    "choose_num_splits",
+    "triton_importable",
+    # Launch helpers shared with other callers of the kernels (DCP's partial attention):
+    "H200_NUM_SMS",
+    "decode_group_pad",
+    "device_num_sms",
+    "interpreter_upcast",
+    "load_kernels",
+    "next_pow2",
+    "triton_interpreting",
+    "triton_supports_device",
+]
 
 H200_NUM_SMS = 132
+"""SMs the split heuristic assumes when no GPU is present (interpreter runs)."""
 
 
 @dataclass(frozen=True)
@@ -86,8 +101,15 @@ def choose_num_splits(programs: int, max_kv_len: int, num_sms: int, config: Trit
     return max(1, min(want, by_length, config.max_splits))
 
 
-def _next_pow2(x: int) -> int:
+def next_pow2(x: int) -> int:
+    """Smallest power of two ``>= x`` (1 for ``x <= 1``)."""
     return 1 << max(0, (x - 1).bit_length())
+
+
+def decode_group_pad(num_heads: int, num_kv_heads: int) -> int:
+    """``group_pad`` of a decode launch: the query heads of one kv head, padded to a power
+    of two and to at least 16 rows (the smallest ``tl.dot`` M)."""
+    return max(16, next_pow2(num_heads // num_kv_heads))
 
 
 def triton_importable() -> bool:
@@ -95,19 +117,37 @@ def triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _interpreting() -> bool:
+def triton_interpreting() -> bool:
+    """Whether Triton runs its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _supports(device: torch.device) -> bool:
-    return device.type == "cuda" or _interpreting()
+def triton_supports_device(device: torch.device) -> bool:
+    """Whether the kernels can run on ``device``: CUDA, or any device under the interpreter."""
+    return device.type == "cuda" or triton_interpreting()
+
+
+def interpreter_upcast(dtype: torch.dtype) -> bool:
+    """The kernels' ``upcast`` flag: the CPU interpreter cannot ``tl.dot`` bf16."""
+    return triton_interpreting() and dtype == torch.bfloat16
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
+def device_num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device``; :data:`H200_NUM_SMS` otherwise, so
+    interpreter runs pick the splits an H200 would."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
-    return H200_NUM_SMS  # interpreter runs pick the splits an H200 would
+    return H200_NUM_SMS
+
+
+def load_kernels():
+    """The :mod:`~tknp_megatron.attention.triton_kernels` module (``launch_paged_attention``,
+    ``launch_combine_splits``), imported on first use so that ``TRITON_INTERPRET`` set
+    before then is honoured."""
+    from tknp_megatron.attention import triton_kernels
+
+    return triton_kernels
 
 
 def _tile_map(meta: AttentionMetadata, rows: int, block_q: int):
@@ -148,25 +188,22 @@ class TritonPagedBackend(AttentionBackend):
     def decode(self, q, k_cache, v_cache, meta, scale) -> torch.Tensor:
         """One query row per request: grid ``(R, Hkv, splits)``, group padded to 16 rows."""
         num_req, num_kv_heads = meta.num_requests, k_cache.shape[2]
-        group_pad = max(16, _next_pow2(q.shape[1] // num_kv_heads))
-        splits = choose_num_splits(num_req * num_kv_heads, meta.max_seq_len, _num_sms(q.device), self.config)
+        group_pad = decode_group_pad(q.shape[1], num_kv_heads)
+        splits = choose_num_splits(num_req * num_kv_heads, meta.max_seq_len, device_num_sms(q.device), self.config)
         return self._run(q, k_cache, v_cache, meta, scale, num_req, splits, 1, group_pad, None)
 
     def varlen(self, q, k_cache, v_cache, meta, scale) -> torch.Tensor:
         """Any query lengths: tiles of ``BLOCK_Q`` rows x the head group (>= 64 matrix rows)."""
         num_kv_heads = k_cache.shape[2]
-        group_pad = _next_pow2(q.shape[1] // num_kv_heads)
+        group_pad = next_pow2(q.shape[1] // num_kv_heads)
         block_q = max(1, 64 // group_pad)
         tile_req, tile_first, num_tiles = _tile_map(meta, q.shape[0], block_q)
-        splits = choose_num_splits(num_tiles * num_kv_heads, meta.max_seq_len, _num_sms(q.device), self.config)
+        splits = choose_num_splits(num_tiles * num_kv_heads, meta.max_seq_len, device_num_sms(q.device), self.config)
         tiles = (tile_req, tile_first)
         return self._run(q, k_cache, v_cache, meta, scale, num_tiles, splits, block_q, group_pad, tiles)
 
     def _run(self, q, k_cache, v_cache, meta, scale, num_tiles, splits, block_q, group_pad, tiles):
-        from tknp_megatron.attention import (
-            triton_kernels as kernels,  # lazy: honours TRITON_INTERPRET set by then
-        )
-
+        kernels = load_kernels()
         cfg = self.config
         out = torch.empty_like(q)
         launch = functools.partial(
@@ -174,7 +211,7 @@ class TritonPagedBackend(AttentionBackend):
             num_tiles=num_tiles, num_splits=splits, block_q=block_q, group_pad=group_pad,
             block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             tile_req=tiles[0] if tiles else None, tile_first=tiles[1] if tiles else None,
-            upcast=_interpreting() and q.dtype == torch.bfloat16,
+            upcast=interpreter_upcast(q.dtype),
         )
         if splits == 1:
             launch(out=out, lse=None)
@@ -187,4 +224,4 @@ class TritonPagedBackend(AttentionBackend):
         return out
 
 
-register_backend("triton", TritonPagedBackend, available=triton_importable, supports=_supports)
+register_backend("triton", TritonPagedBackend, available=triton_importable, supports=triton_supports_device)

@@ -22,17 +22,18 @@ from typing import Optional, Tuple
 
 import torch
 
-from tknp_megatron.attention.base import AttentionMetadata
-from tknp_megatron.attention.paging import gather_pages
-from tknp_megatron.attention.triton_paged import (
+from tknp_megatron.attention import (
+    AttentionMetadata,
     TritonConfig,
-    _interpreting,
-    _next_pow2,
-    _num_sms,
-    _supports,
     choose_num_splits,
+    decode_group_pad,
+    device_num_sms,
+    interpreter_upcast,
+    load_kernels,
     triton_importable,
+    triton_supports_device,
 )
+from tknp_megatron.attention.paging import gather_pages
 
 __all__ = [
     "ShardMetadata", "decode_metadata", "partial_attention", "partial_attention_triton",
@@ -109,7 +110,7 @@ def partial_attention(
 def triton_decode_usable(device: torch.device) -> bool:
     """Whether :func:`partial_attention_triton` can run on ``device`` (host only): CUDA, or
     ``TRITON_INTERPRET=1``, and ``triton`` importable."""
-    return _supports(device) and triton_importable()
+    return triton_supports_device(device) and triton_importable()
 
 
 def decode_metadata(meta: ShardMetadata) -> AttentionMetadata:
@@ -166,10 +167,6 @@ def partial_attention_triton(
     Returns:
         ``(out [rows, Hq, d], lse [rows, Hq])`` fp32, as :func:`partial_attention`.
     """
-    from tknp_megatron.attention import (
-        triton_kernels as kernels,  # lazy: honours TRITON_INTERPRET set by then
-    )
-
     rows, heads, d = q.shape
     if rows != meta.local_lens.shape[0]:
         raise ValueError(f"decode needs one row per request: {rows} rows, {meta.local_lens.shape[0]} requests")
@@ -178,15 +175,15 @@ def partial_attention_triton(
     q = q.to(k_cache.dtype)
     q = q if q.stride(-1) == 1 else q.contiguous()
     num_kv_heads = k_cache.shape[2]
-    splits = choose_num_splits(rows * num_kv_heads, meta.max_local_len, _num_sms(q.device), _TRITON)
+    splits = choose_num_splits(rows * num_kv_heads, meta.max_local_len, device_num_sms(q.device), _TRITON)
     part = torch.empty((rows, heads, splits, d), dtype=torch.float32, device=q.device)
     lse2 = torch.empty((rows, heads, splits), dtype=torch.float32, device=q.device)
-    kernels.launch_paged_attention(
+    load_kernels().launch_paged_attention(
         q, k_cache, v_cache, part, lse2, decode_metadata(meta) if meta.kernel is None else meta.kernel, scale,
         num_tiles=rows, num_splits=splits, block_q=1,
-        group_pad=max(16, _next_pow2(heads // num_kv_heads)),
+        group_pad=decode_group_pad(heads, num_kv_heads),
         block_n=_TRITON.block_n, num_warps=_TRITON.num_warps, num_stages=_TRITON.num_stages,
-        upcast=_interpreting() and q.dtype == torch.bfloat16,
+        upcast=interpreter_upcast(q.dtype),
     )
     return _merge_splits(part, lse2)
 

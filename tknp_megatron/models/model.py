@@ -38,21 +38,10 @@ __all__ = [
     "StageModel",
     "build_rank_model",
     "build_stage_model",
+    "final_norm_spec",
     "layer_spec",
     "padded_vocab_size",
-    "te_available",
 ]
-
-
-def te_available() -> bool:
-    """Transformer Engine imports and a GPU is present."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:
-        return False
-    return True
 
 
 def layer_spec(preset: ModelPreset, use_te: bool = False) -> ModuleSpec:
@@ -70,7 +59,9 @@ def layer_spec(preset: ModelPreset, use_te: bool = False) -> ModuleSpec:
     return spec
 
 
-def _final_norm_spec(preset: ModelPreset, use_te: bool):
+def final_norm_spec(preset: ModelPreset, use_te: bool = False):
+    """The module class of the decoder's final norm for ``preset`` (TE, zero-centred, or
+    the local spec's norm), as ``TransformerBlockSubmodules.layer_norm`` takes it."""
     if use_te:
         from megatron.core.extensions.transformer_engine import TENorm
 
@@ -80,6 +71,9 @@ def _final_norm_spec(preset: ModelPreset, use_te: bool):
     return gpt_layer_specs.get_gpt_layer_local_spec(
         normalization=preset.normalization
     ).submodules.input_layernorm
+
+
+_final_norm_spec = final_norm_spec  # old private name, still imported by tests/test_checkpoint.py
 
 
 class _Decoder(MegatronModule):
@@ -95,7 +89,7 @@ class _Decoder(MegatronModule):
         )
         if post_process:
             self.final_layernorm = build_module(
-                _final_norm_spec(preset, use_te),
+                final_norm_spec(preset, use_te),
                 config=config,
                 hidden_size=config.hidden_size,
                 eps=config.layernorm_epsilon,

@@ -19,7 +19,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from tknp_megatron.config import ModelPreset
 from tknp_megatron.executor.rope import Rope
 from tknp_megatron.models.cpu_shims import SDPACoreAttention
-from tknp_megatron.models.model import _final_norm_spec, layer_spec, padded_vocab_size
+from tknp_megatron.models.model import final_norm_spec, layer_spec, padded_vocab_size
 from tknp_megatron.sampling import SamplingParams, sample
 
 __all__ = ["ReferenceOutput", "build_reference_model", "reference_generate"]
@@ -48,7 +48,7 @@ def build_reference_model(
     spec = layer_spec(preset)
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     block = TransformerBlockSubmodules(
-        layer_specs=[spec] * preset.num_layers, layer_norm=_final_norm_spec(preset, False)
+        layer_specs=[spec] * preset.num_layers, layer_norm=final_norm_spec(preset, False)
     )
     model = GPTModel(
         config,

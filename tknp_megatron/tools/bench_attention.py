@@ -263,7 +263,7 @@ def setup(args):
 
     import tknp_megatron.attention as attn
     from tknp_megatron.attention import paging, testing
-    from tknp_megatron.attention.triton_paged import H200_NUM_SMS, choose_num_splits
+    from tknp_megatron.attention import choose_num_splits, device_num_sms
 
     device = torch.device("cpu" if args.dry_run else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -272,7 +272,7 @@ def setup(args):
         import flash_attn
     except Exception:
         flash_attn = None
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else H200_NUM_SMS
+    num_sms = device_num_sms(device)
     return dict(torch=torch, F=F, attn=attn, paging=paging, testing=testing, device=device, num_sms=num_sms,
                 choose_splits=choose_num_splits, flash=flash_attn if device.type == "cuda" else None,
                 timer=Timer(torch, device, args.warmup, args.reps, not args.no_flush))
@@ -312,8 +312,14 @@ def main(argv=None) -> int:
     return 0 if all(c["ok"] for c in checks) and all(r.get("status") != "WRONG" and not r.get("status", "").startswith("error") for r in rows) else 1
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """Console entry point: :func:`main`, then exit at once with its code (flushed output,
+    no interpreter teardown)."""
     code = main()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+if __name__ == "__main__":
+    cli()

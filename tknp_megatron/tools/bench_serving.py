@@ -1,4 +1,4 @@
-"""Side by side: TKNP, DP, TP, PP and DCP on the same traces, one invocation (issue 6).
+"""Side by side: TKNP, DP, TP, PP and DCP on the same traces, one invocation.
 
 On GPUs, one process per GPU::
 
@@ -231,7 +231,7 @@ def main(argv=None) -> int:
             report(rows, Path(args.out))
         dist.barrier()
         if args.device == "cuda":
-            os._exit(0)  # NCCL teardown after graph capture can hang (DEVICE.md)
+            os._exit(0)  # NCCL teardown after graph capture can hang on the H200 hosts: skip it
         dist.destroy_process_group()
     else:
         rows = spawn(worker, args.world, (args,), timeout_s=1800)[0]

@@ -1,0 +1,194 @@
+"""Builders shared by several test files: prompts, pool runs, a tiny tokenizer, tiny HF
+models, and a plain Megatron-Core ``GPTModel`` saved as a distributed checkpoint.
+
+Everything here is made in the test (no downloads); heavy imports (``tokenizers``,
+``transformers``, Megatron) happen inside the functions, so importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Dict, Iterator, Optional, Tuple
+
+import torch
+
+__all__ = [
+    "random_prompts",
+    "reference_kvs",
+    "spawn_runs",
+    "TOKENIZER_SENTENCES",
+    "make_tiny_tokenizer",
+    "HF_SEQ",
+    "make_hf_llama",
+    "make_hf_nemotron",
+    "gpt_model",
+    "save_gpt_checkpoint",
+]
+
+
+def random_prompts(n: int, lo: int, hi: int, seed: int, vocab: int = 512) -> tuple:
+    """``n`` seeded random prompts of ``lo..hi`` tokens each (ids below ``vocab``)."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return tuple(tuple(torch.randint(0, vocab, (k,), generator=g).tolist()) for k in lens)
+
+
+def reference_kvs(reference: dict) -> dict:
+    """Scenario name -> the reference's K/V of ``prompt[:-1]``, for the scenarios that
+    ingest KV from outside (the ``reference`` fixture of ``tests/conftest.py``)."""
+    return {name: kv for name, (_, kv) in reference.items() if kv is not None}
+
+
+def spawn_runs(worker: Callable, args_by_world: Dict[int, tuple], timeout_s: float = 400) -> Iterator[tuple]:
+    """Run ``worker`` on a fresh gloo pool per world size, in order; yield every rank's
+    ``(key, run)`` results that are not ``None``."""
+    from tknp_megatron.launch import spawn
+
+    for world, args in args_by_world.items():
+        for rank_out in spawn(worker, world, args, timeout_s=timeout_s):
+            yield from ((key, run) for key, run in rank_out.items() if run is not None)
+
+
+# ---------------------------------------------------------------- tokenizer
+TOKENIZER_SENTENCES = [
+    "the quick brown fox jumps over the lazy dog",
+    "token parallel decode spreads requests over nodes",
+    "every node keeps the cache of the requests it owns",
+    "megatron core builds the layers of the model",
+    "a small model answers with a few tokens",
+] * 4
+
+
+def make_tiny_tokenizer(folder, vocab_size: int = 200, bos: bool = False) -> Path:
+    """Train a BPE tokenizer (Metaspace, ~``vocab_size`` ids) on :data:`TOKENIZER_SENTENCES`;
+    save a HF folder.
+
+    Special tokens ``<unk>`` (0), ``<s>`` (1), ``</s>`` (2). ``bos``: a post-processor
+    puts ``<s>`` in front of every encoding, as Llama's tokenizers do.
+    """
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = RawTokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"])
+    tok.train_from_iterator(TOKENIZER_SENTENCES, trainer)
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(dict(
+        tokenizer_class="PreTrainedTokenizerFast", bos_token="<s>", eos_token="</s>",
+        unk_token="<unk>", add_bos_token=bos)))
+    return folder
+
+
+# ---------------------------------------------------------------- tiny HF models
+HF_SEQ = 160  # tokens of the random sequence the HF models are run on
+
+
+def _perturb_norms(model) -> None:
+    """HF inits norms to 1 (weight) / 0 (bias): randomise so the norm mapping is tested."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+
+
+def _save_and_run(model, folder, vocab: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    model.save_pretrained(folder, safe_serialization=True)
+    ids = torch.randint(0, vocab, (HF_SEQ,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(ids[None]).logits[0].float()
+    return ids, logits
+
+
+def make_hf_llama(folder, rope_scaling: Optional[dict]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Save a random HF Llama (3 layers, GQA 4/2, vocab 256) to ``folder`` (safetensors).
+
+    Returns:
+        ``(ids [HF_SEQ], logits [HF_SEQ, 256])``: a random sequence and ``transformers``'
+        fp32 CPU logits on it.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                      max_position_embeddings=512, rope_theta=500000.0, rms_norm_eps=1e-5,
+                      rope_scaling=rope_scaling, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).float().eval()
+    _perturb_norms(model)
+    return _save_and_run(model, folder, 256)
+
+
+def make_hf_nemotron(folder) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Save a random HF Nemotron (2 layers, GQA 4/2, partial RoPE 0.5, vocab 512) to
+    ``folder``; returns ``(ids, logits)`` as :func:`make_hf_llama`."""
+    from transformers import NemotronConfig, NemotronForCausalLM
+
+    cfg = NemotronConfig(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         vocab_size=512, max_position_embeddings=512, norm_eps=1e-5,
+                         rope_theta=10000.0, partial_rotary_factor=0.5,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = NemotronForCausalLM(cfg).float().eval()
+    # HF's init sets LayerNorm1P weight = 1 (gamma 2), bias 0; give the +1 and the biases
+    # (final norm included) values that differ per channel.
+    _perturb_norms(model)
+    assert {n for n, _ in model.named_parameters() if "norm" in n and n.endswith("bias")}
+    return _save_and_run(model, folder, 512)
+
+
+# ---------------------------------------------------------------- Megatron checkpoints
+def gpt_model(preset, tp: int):
+    """A real Megatron GPTModel at TP=tp (local spec, SDPA core attention shim).
+
+    Needs ``parallel_state`` initialised with that TP size.
+    """
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from tknp_megatron.models.cpu_shims import SDPACoreAttention
+    from tknp_megatron.models.model import final_norm_spec, layer_spec, padded_vocab_size
+
+    config = preset.to_transformer_config(tp, torch.float32, use_cpu_initialization=True)
+    spec = layer_spec(preset)
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    block = TransformerBlockSubmodules(
+        layer_specs=[spec] * preset.num_layers, layer_norm=final_norm_spec(preset, False)
+    )
+    return GPTModel(config, block, vocab_size=padded_vocab_size(preset, tp),
+                    max_sequence_length=preset.gpt.max_sequence_length,
+                    position_embedding_type=preset.gpt.position_embedding_type,
+                    share_embeddings_and_output_weights=False).eval()
+
+
+def save_gpt_checkpoint(preset, tp: int, ckpt_dir: str, seed: Optional[int]) -> None:
+    """Save :func:`gpt_model` at TP=tp with ``dist_checkpointing`` (``torch_dist``, CPU).
+
+    Call on every rank of a ``tp``-rank pool. ``seed``: fill the weights from the seeded
+    source (:func:`~tknp_megatron.models.weights.fill_seeded_`); ``None`` when the values
+    do not matter (a fast random init).
+    """
+    from megatron.core import dist_checkpointing
+
+    import parallel_state as ps
+    from tknp_megatron.models.cpu_shims import cpu_torch_dist_save_strategy
+    from tknp_megatron.models.weights import fill_seeded_
+
+    ps.initialize_model_parallel(tp)
+    model = gpt_model(preset, tp)
+    if seed is not None:
+        fill_seeded_(model, preset, seed)
+    else:
+        for p in model.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+    dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir,
+                            sharded_strategy=cpu_torch_dist_save_strategy())
+    ps.destroy_model_parallel()
