@@ -69,10 +69,8 @@ def convert_and_run(rank, world, hf_dir, out_dir, ids):
     warnings.simplefilter("ignore")
     import parallel_state as ps
     from tknp_megatron.executor.rope import Rope
-    from tknp_megatron.models.checkpoint import (
-        load_megatron_checkpoint,
-        load_model_config,
-    )
+    from tknp_megatron.models.checkpoint import load_megatron_checkpoint
+    from tknp_megatron.models.model_config import load_model_config
     from tknp_megatron.models.hf_convert import convert_hf_to_dist_checkpoint
     from tknp_megatron.models.reference import build_reference_model, reference_logits
 

@@ -52,7 +52,7 @@ def save_worker(rank, world, config, ckpt_dir):
     """Plain Megatron-Core: a seeded GPTModel at TP=2, dist_checkpointing.save."""
     warnings.simplefilter("ignore")
     from tests.test_checkpoint import _save
-    from tknp_megatron.models.checkpoint import preset_from_model_config
+    from tknp_megatron.models.model_config import preset_from_model_config
 
     _save(preset_from_model_config(config), 2, ckpt_dir)
 

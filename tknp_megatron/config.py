@@ -170,6 +170,7 @@ class ModelPreset:
             fp16=params_dtype == torch.float16,
             use_cpu_initialization=use_cpu_initialization,
             perform_initialization=False,
+            init_method_std=self.init_std,
             hidden_dropout=0.0,
             attention_dropout=0.0,
             bias_dropout_fusion=False,
@@ -209,11 +210,11 @@ class ModelPreset:
         return self.vocab_size * self.hidden_size
 
     def output_params(self) -> int:
-        """Output layer (0 when tied to the embedding) plus the final norm."""
+        """Output layer plus the final norm. A tied output layer counts too: the last block
+        stores its own copy of the embedding (the first block sits on another node)."""
         d = self.hidden_size
         final_norm = 2 * d if self.normalization == "LayerNorm" else d
-        head = 0 if self.gpt.share_embeddings_and_output_weights else self.vocab_size * d
-        return head + final_norm
+        return self.vocab_size * d + final_norm
 
     def total_params(self) -> int:
         per_layer = sum(self.layer_linear_params().values()) + sum(

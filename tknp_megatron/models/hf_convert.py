@@ -68,16 +68,17 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Dict, Union
+from typing import Dict, Optional, Union
 
 import torch
 
-from tknp_megatron.config import Activation, GPTArgs, ModelPreset
+from tknp_megatron.config import Activation, GPTArgs, ModelPreset, dtype_from_name
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "convert_hf_to_dist_checkpoint",
     "convert_llama_to_dist_checkpoint",
+    "hf_checkpoint_dtype",
     "hf_state_dict",
     "llama_state_dict",
     "nemotron_state_dict",
@@ -282,9 +283,24 @@ def hf_state_dict(model_type: str, hf: Dict[str, torch.Tensor], preset: ModelPre
     return fn(hf, preset, padded_vocab, dtype)
 
 
+def hf_checkpoint_dtype(hf_dir: PathLike) -> torch.dtype:
+    """The dtype a Hugging Face folder stores: ``config.json``'s ``torch_dtype`` (``dtype``
+    in transformers 5), else that of its first floating-point tensor."""
+    cfg = json.loads((Path(hf_dir) / "config.json").read_text())
+    name = cfg.get("torch_dtype") or cfg.get("dtype")
+    if isinstance(name, str):
+        return dtype_from_name(name.removeprefix("torch."))
+    tensors = _read_safetensors(Path(hf_dir))
+    return next(t.dtype for t in tensors.values() if t.is_floating_point())
+
+
 def convert_hf_to_dist_checkpoint(hf_dir: PathLike, out_dir: PathLike,
-                                  dtype: torch.dtype = torch.float32) -> ModelPreset:
+                                  dtype: Optional[torch.dtype] = None) -> ModelPreset:
     """Write a ``torch_dist`` checkpoint that :func:`load_megatron_checkpoint` serves.
+
+    ``dtype`` None keeps the folder's own dtype (:func:`hf_checkpoint_dtype`), so a
+    conversion changes no value unless told to; ``model_config.json`` records it as
+    ``params_dtype``.
 
     ``hf_dir`` holds ``config.json`` and ``*.safetensors`` of a Llama or Nemotron model
     (``model_type`` picks the mapping). Builds the full TP=1 ``GPTModel`` in this process
@@ -299,6 +315,7 @@ def convert_hf_to_dist_checkpoint(hf_dir: PathLike, out_dir: PathLike,
     from tknp_megatron.models.reference import build_reference_model
 
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    dtype = dtype or hf_checkpoint_dtype(hf_dir)
     cfg = json.loads((hf_dir / "config.json").read_text())
     preset = preset_from_hf_config(cfg, name=hf_dir.name or "hf")
     model = build_reference_model(preset, dtype)
@@ -312,7 +329,7 @@ def convert_hf_to_dist_checkpoint(hf_dir: PathLike, out_dir: PathLike,
     dist_checkpointing.save(model.sharded_state_dict(), str(out_dir),
                             sharded_strategy=cpu_torch_dist_save_strategy())
     if torch.distributed.get_rank() == 0:
-        (out_dir / "model_config.json").write_text(json.dumps(_model_config(preset), indent=1))
+        (out_dir / "model_config.json").write_text(json.dumps(_model_config(preset, dtype), indent=1))
     return preset
 
 
@@ -320,8 +337,8 @@ def convert_hf_to_dist_checkpoint(hf_dir: PathLike, out_dir: PathLike,
 convert_llama_to_dist_checkpoint = convert_hf_to_dist_checkpoint
 
 
-def _model_config(p: ModelPreset) -> Dict:
-    """``--model-config`` JSON for a preset (see :func:`checkpoint.preset_from_model_config`)."""
+def _model_config(p: ModelPreset, dtype: torch.dtype) -> Dict:
+    """``--model-config`` JSON for a preset (see :func:`tknp_megatron.models.model_config.preset_from_model_config`)."""
     return dict(
         name=p.name, num_layers=p.num_layers, hidden_size=p.hidden_size,
         num_attention_heads=p.num_attention_heads, num_query_groups=p.num_query_groups,
@@ -335,4 +352,5 @@ def _model_config(p: ModelPreset) -> Dict:
         rotary_percent=p.gpt.rotary_percent, rotary_base=p.gpt.rotary_base,
         rope_scaling=p.gpt.rope_scaling, rope_scaling_factor=p.gpt.rope_scaling_factor,
         share_embeddings_and_output_weights=False,
+        params_dtype=str(dtype).removeprefix("torch."),
     )

@@ -1,0 +1,138 @@
+"""Models made elsewhere: configs as Megatron writes them, checkpoints whose vocabulary the
+serving TP does not divide, and tied embeddings, each served and checked against the
+reference (Megatron's GPTModel on one rank, same weights)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from tknp_megatron.config import get_preset
+from tknp_megatron.launch import spawn
+from tknp_megatron.models.model_config import preset_from_model_config
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = ROOT / "examples" / "run_tknp_decode.py"
+SEED = 5
+
+
+def megatron_config_dump(preset) -> dict:
+    """What a Megatron training run's config looks like as JSON: every JSON-representable
+    ``TransformerConfig`` field of the preset's config, plus the ``GPTModel`` arguments."""
+    config = preset.to_transformer_config(1, torch.float32)
+    out = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, torch.dtype):
+            value = str(value).removeprefix("torch.")
+        if value is None or isinstance(value, (bool, int, float, str, list)):
+            out[f.name] = value
+    out["activation_func"] = f"torch.nn.functional.{preset.activation.value}"
+    out.update(dataclasses.asdict(preset.gpt), name=preset.name)
+    return out
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-nemotron", "llama3.1-405b", "nemotron4-340b"])
+def test_full_transformer_config_round_trips(name):
+    preset = get_preset(name)
+    dump = megatron_config_dump(preset)
+    assert len(dump) > 150  # the whole TransformerConfig, training fields included
+    assert "init_method_std" in dump and "bias_dropout_fusion" in dump
+    assert preset_from_model_config(json.loads(json.dumps(dump))) == preset
+
+
+@pytest.mark.parametrize("key, value", [
+    ("num_moe_experts", 8), ("multi_latent_attention", True), ("qk_layernorm", True),
+    ("window_size", [128, 0]), ("rotary_interleaved", True), ("softmax_type", "learnable"),
+])
+def test_unsupported_features_are_refused_by_name(key, value):
+    dump = {**megatron_config_dump(get_preset("tiny")), key: value}
+    with pytest.raises(ValueError, match="not supported by tknp-megatron: .*" + re.escape(f"({key}={value!r})")):
+        preset_from_model_config(dump)
+
+
+def test_typos_are_still_refused():
+    with pytest.raises(ValueError, match=r"\['hiden_size'\]"):
+        preset_from_model_config({**megatron_config_dump(get_preset("tiny")), "hiden_size": 64})
+
+
+# ------------------------------------------------------------------ served checkpoints
+TINY = dict(name="tiny-odd", num_layers=4, hidden_size=64, num_attention_heads=4,
+            num_query_groups=2, kv_channels=16, ffn_hidden_size=160, normalization="RMSNorm",
+            gated_linear_unit=True, add_bias_linear=False, activation="silu",
+            max_sequence_length=512, vocab_size=211)
+
+
+def save_worker(rank, world, config: dict, vocab_rows: int, ckpt_dir: str):
+    """A seeded Megatron GPTModel at TP=world with ``vocab_rows`` embedding rows, saved
+    with ``dist_checkpointing.save`` (tied embeddings if the config says so)."""
+    warnings.simplefilter("ignore")
+    from megatron.core import dist_checkpointing
+
+    import parallel_state as ps
+    from tknp_megatron.models.cpu_shims import cpu_torch_dist_save_strategy
+    from tknp_megatron.models.reference import build_reference_model
+    from tknp_megatron.models.weights import fill_seeded_
+
+    preset = preset_from_model_config(config)
+    ps.initialize_model_parallel(world)
+    model = build_reference_model(preset, vocab_size=vocab_rows)
+    fill_seeded_(model, preset, SEED)
+    dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir,
+                            sharded_strategy=cpu_torch_dist_save_strategy())
+    ps.destroy_model_parallel()
+
+
+def _serve(tmp_path: Path, config: dict, vocab_rows: int, nodes: int, tp: int) -> dict:
+    ckpt, cfg = tmp_path / "ckpt", tmp_path / "model.json"
+    ckpt.mkdir()
+    cfg.write_text(json.dumps(config))
+    spawn(save_worker, 1, (config, vocab_rows, str(ckpt)), timeout_s=120)
+    out = tmp_path / "out.json"
+    cmd = [sys.executable, str(JOB), "--json", str(out), "--load", str(ckpt), "--model-config",
+           str(cfg), "--nodes", str(nodes), "--tp", str(tp), "--requests", "6",
+           "--output-len", "5", "--prompt-len", "3", "12", "--block-size", "4"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(out.read_text())
+
+
+def test_vocabulary_not_divisible_by_tp(tmp_path):
+    """211 rows saved at TP1, served at TP2: padded to Megatron's multiple, padded logits
+    never sampled, the unpadded model's tokens."""
+    report = _serve(tmp_path, TINY, 211, nodes=2, tp=2)
+    assert report["match_reference"] is True, report
+    assert report["completed"] == 6
+    assert all(0 <= t < 211 for out in report["outputs"] for t in out)
+
+
+def test_tied_embeddings(tmp_path):
+    """A tied checkpoint (no output_layer.weight): the last block, on another node than
+    the embedding, reads the embedding matrix as its output layer."""
+    config = {**TINY, "vocab_size": 256, "share_embeddings_and_output_weights": True}
+    report = _serve(tmp_path, config, 256, nodes=2, tp=1)
+    assert report["match_reference"] is True, report
+
+
+def test_conversion_keeps_the_checkpoint_dtype(tmp_path):
+    """The converter writes the dtype the folder stores (here float32) unless told
+    otherwise, says so, and records it in model_config.json."""
+    pytest.importorskip("transformers")
+    from tests.test_hf_convert import _make_hf
+
+    hf_dir, out_dir = tmp_path / "hf", tmp_path / "mcore"
+    _make_hf(hf_dir, None)
+    cmd = [sys.executable, "-m", "tknp_megatron.tools.convert_hf_checkpoint", "--hf", str(hf_dir),
+           "--out", str(out_dir)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert "float32" in proc.stdout
+    assert json.loads((out_dir / "model_config.json").read_text())["params_dtype"] == "float32"
