@@ -153,7 +153,7 @@ def test_hf_nemotron_config_preset():
     ("hidden_act", "gelu"),
     ("rope_scaling", {"rope_type": "linear", "factor": 2.0}),
     ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
-    ("model_type", "mistral"),
+    ("model_type", "gemma"),
 ])
 def test_hf_config_unsupported_field(field, value):
     from tknp_megatron.models.hf_convert import preset_from_hf_config

@@ -136,3 +136,47 @@ def test_conversion_keeps_the_checkpoint_dtype(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "float32" in proc.stdout
     assert json.loads((out_dir / "model_config.json").read_text())["params_dtype"] == "float32"
+
+
+def _hf_family(folder, family: str, tied: bool):
+    """A tiny random ``family`` model (transformers' own class), saved as safetensors, and
+    its fp32 logits on a random sequence."""
+    import transformers
+
+    from tests.test_hf_convert import _perturb_norms, _save_and_run
+
+    config_cls, model_cls = {
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+        "mistral": ("MistralConfig", "MistralForCausalLM"),
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    }[family]
+    extra = {"sliding_window": 4096} if family == "mistral" else {}
+    cfg = getattr(transformers, config_cls)(
+        hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, max_position_embeddings=8192, rms_norm_eps=1e-5,
+        tie_word_embeddings=tied, **extra)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(cfg).float().eval()
+    _perturb_norms(model)
+    with torch.no_grad():  # HF initialises biases to zero: make them count
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(std=0.5)
+    return _save_and_run(model, folder, 256)
+
+
+@pytest.mark.parametrize("family, tied", [("qwen2", True), ("qwen2", False), ("mistral", False),
+                                          ("llama", True)])
+def test_hf_families_match_transformers(tmp_path, family, tied):
+    """Converted Qwen2 (q/k/v biases), Mistral and tied-embedding models give
+    ``transformers``' own fp32 logits through Megatron's GPTModel."""
+    pytest.importorskip("transformers")
+    from tests.test_hf_convert import convert_and_run
+
+    hf_dir, out_dir = tmp_path / "hf", tmp_path / "mcore"
+    ids, expected = _hf_family(hf_dir, family, tied)
+    logits, preset = spawn(convert_and_run, 1, (str(hf_dir), str(out_dir), ids), timeout_s=120)[0]
+    assert preset.add_qkv_bias == (family == "qwen2")
+    if family == "mistral":
+        assert preset.gpt.max_sequence_length == 4096  # the sliding window
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)

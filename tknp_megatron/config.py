@@ -86,6 +86,7 @@ class ModelPreset:
         zero_centered_gamma: norm weight stored as ``gamma - 1`` (Nemotron's LayerNorm1p).
         layernorm_epsilon: norm epsilon.
         add_bias_linear: biases on the linear layers.
+        add_qkv_bias: biases on the QKV projection only (Qwen2); implied by add_bias_linear.
         gpt: ``GPTModel`` arguments (RoPE, vocabulary, tying).
         init_std: std of the seeded random weights when no checkpoint is loaded.
     """
@@ -104,6 +105,7 @@ class ModelPreset:
     zero_centered_gamma: bool = False
     layernorm_epsilon: float = 1e-5
     add_bias_linear: bool = False
+    add_qkv_bias: bool = False
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
@@ -164,6 +166,7 @@ class ModelPreset:
             gated_linear_unit=self.gated,
             activation_func=self.activation.fn(),
             add_bias_linear=self.add_bias_linear,
+            add_qkv_bias=self.add_qkv_bias,
             tensor_model_parallel_size=tensor_model_parallel_size,
             params_dtype=params_dtype,
             bf16=params_dtype == torch.bfloat16,
@@ -204,6 +207,8 @@ class ModelPreset:
         if self.add_bias_linear:
             fc1_out = 2 * self.ffn_hidden_size if self.gated else self.ffn_hidden_size
             out["biases"] = self.qkv_width + d + fc1_out + d
+        elif self.add_qkv_bias:
+            out["biases"] = self.qkv_width
         return out
 
     def embedding_params(self) -> int:

@@ -1,8 +1,16 @@
-"""Hugging Face Llama / Nemotron safetensors -> Megatron ``GPTModel`` state dict / dist checkpoint.
+"""Hugging Face Llama / Mistral / Qwen2 / Nemotron safetensors -> Megatron ``GPTModel`` dist checkpoint.
 
 :func:`convert_hf_to_dist_checkpoint` dispatches on ``config.json``'s ``model_type``:
-``llama`` (``LlamaForCausalLM``) or ``nemotron`` (``NemotronForCausalLM``, e.g. Nemotron-4
-340B). Keys below are local-spec ``GPTModel.state_dict()`` keys; ``L`` = layer index.
+``llama``, ``mistral`` and ``qwen2`` (Llama's mapping) or ``nemotron``
+(``NemotronForCausalLM``, e.g. Nemotron-4 340B). Keys below are local-spec
+``GPTModel.state_dict()`` keys; ``L`` = layer index. (Over 350 lines: the key tables of each
+family live here, beside the code that applies them.)
+
+Mistral is Llama's layers; a ``sliding_window`` caps the served sequence length at the
+window, within which attention is the same as full attention. Qwen2 adds q/k/v biases,
+fused into ``linear_qkv.bias`` grouped per KV head like the weights (Megatron's
+``add_qkv_bias``). Tied embeddings (``tie_word_embeddings``) are untied: the output layer
+gets a copy of the embedding.
 
 Llama:
 
@@ -86,7 +94,8 @@ __all__ = [
 ]
 
 PathLike = Union[str, os.PathLike]
-SUPPORTED_MODEL_TYPES = ("llama", "nemotron")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2")  # Llama's mapping; Qwen2 adds QKV biases
+SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "nemotron")
 
 
 def preset_from_hf_config(cfg: Dict, name: str = "hf") -> ModelPreset:
@@ -94,14 +103,16 @@ def preset_from_hf_config(cfg: Dict, name: str = "hf") -> ModelPreset:
     (default ``llama``). Tied embeddings are untied on conversion. Unsupported settings
     raise ``ValueError`` naming the config field."""
     model_type = cfg.get("model_type", "llama")
-    if model_type == "llama":
-        return _llama_preset(cfg, name)
+    if model_type in LLAMA_FAMILY:
+        return _llama_preset(cfg, name, model_type)
     if model_type == "nemotron":
         return _nemotron_preset(cfg, name)
     raise ValueError(f"model_type {model_type!r} unsupported (one of {SUPPORTED_MODEL_TYPES})")
 
 
-def _llama_preset(cfg: Dict, name: str) -> ModelPreset:
+def _llama_preset(cfg: Dict, name: str, model_type: str = "llama") -> ModelPreset:
+    """Llama, Mistral (Llama's layers; a sliding window caps the served length, within which
+    attention is exact) and Qwen2 (Llama's layers plus q/k/v biases)."""
     heads = cfg["num_attention_heads"]
     scaling = cfg.get("rope_scaling") or (cfg.get("rope_parameters") or {})
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
@@ -114,6 +125,11 @@ def _llama_preset(cfg: Dict, name: str) -> ModelPreset:
     theta = cfg.get("rope_theta", scaling.get("rope_theta", 10000.0))
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
         raise ValueError("attention_bias / mlp_bias not supported")
+    if cfg.get("use_sliding_window"):
+        raise ValueError(f"{model_type} use_sliding_window=True unsupported (full attention only)")
+    max_len = cfg.get("max_position_embeddings", 4096)
+    if model_type == "mistral" and cfg.get("sliding_window"):
+        max_len = min(max_len, int(cfg["sliding_window"]))
     return ModelPreset(
         name=name,
         num_layers=cfg["num_hidden_layers"],
@@ -126,9 +142,10 @@ def _llama_preset(cfg: Dict, name: str) -> ModelPreset:
         activation=Activation.SILU,
         normalization="RMSNorm",
         layernorm_epsilon=cfg.get("rms_norm_eps", 1e-6),
+        add_qkv_bias=model_type == "qwen2",
         gpt=GPTArgs(
             vocab_size=cfg["vocab_size"],
-            max_sequence_length=cfg.get("max_position_embeddings", 4096),
+            max_sequence_length=max_len,
             rotary_base=int(theta),
             rope_scaling=llama3,
             rope_scaling_factor=float(scaling.get("factor", 8.0)) if llama3 else 8.0,
@@ -205,12 +222,13 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _fuse_qkv(q, k, v, preset: ModelPreset) -> torch.Tensor:
-    """``[Hq d, D]``, ``[Hkv d, D]`` x2 -> Megatron's grouped ``[(Hq + 2 Hkv) d, D]``."""
-    g, d, hidden = preset.num_query_groups, preset.kv_channels, q.shape[1]
-    q = q.reshape(g, -1, d, hidden)  # [g, Hq/g, d, D]
-    k = k.reshape(g, 1, d, hidden)
-    v = v.reshape(g, 1, d, hidden)
-    return torch.cat([q, k, v], dim=1).reshape(-1, hidden)
+    """``[Hq d, *D]``, ``[Hkv d, *D]`` x2 -> Megatron's grouped ``[(Hq + 2 Hkv) d, *D]``
+    (weights with ``D`` the hidden size, or biases with no ``D``)."""
+    g, d, rest = preset.num_query_groups, preset.kv_channels, tuple(q.shape[1:])
+    q = q.reshape(g, -1, d, *rest)  # [g, Hq/g, d, *D]
+    k = k.reshape(g, 1, d, *rest)
+    v = v.reshape(g, 1, d, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
 
 
 def _common_state_dict(hf: Dict[str, torch.Tensor], preset: ModelPreset,
@@ -222,10 +240,9 @@ def _common_state_dict(hf: Dict[str, torch.Tensor], preset: ModelPreset,
     out["output_layer.weight"] = _pad_rows(hf.get("lm_head.weight", emb), padded_vocab)
     for i in range(preset.num_layers):
         attn, dst = f"model.layers.{i}.self_attn.", f"decoder.layers.{i}.self_attention."
-        out[dst + "linear_qkv.weight"] = _fuse_qkv(
-            hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"],
-            preset,
-        )
+        for kind in ("weight", "bias") if preset.add_qkv_bias else ("weight",):
+            out[dst + f"linear_qkv.{kind}"] = _fuse_qkv(
+                *(hf[attn + f"{p}_proj.{kind}"] for p in "qkv"), preset)
         out[dst + "linear_proj.weight"] = hf[attn + "o_proj.weight"]
     return out
 
@@ -268,7 +285,7 @@ def nemotron_state_dict(hf: Dict[str, torch.Tensor], preset: ModelPreset, padded
     return {k: v.to(dtype) for k, v in out.items()}
 
 
-_STATE_DICT_FNS = {"llama": llama_state_dict, "nemotron": nemotron_state_dict}
+_STATE_DICT_FNS = {**dict.fromkeys(LLAMA_FAMILY, llama_state_dict), "nemotron": nemotron_state_dict}
 
 
 def hf_state_dict(model_type: str, hf: Dict[str, torch.Tensor], preset: ModelPreset,
@@ -344,7 +361,7 @@ def _model_config(p: ModelPreset, dtype: torch.dtype) -> Dict:
         num_attention_heads=p.num_attention_heads, num_query_groups=p.num_query_groups,
         kv_channels=p.kv_channels, ffn_hidden_size=p.ffn_hidden_size,
         normalization=p.normalization, gated_linear_unit=p.gated,
-        add_bias_linear=p.add_bias_linear,
+        add_bias_linear=p.add_bias_linear, add_qkv_bias=p.add_qkv_bias,
         layernorm_zero_centered_gamma=p.zero_centered_gamma,
         layernorm_epsilon=p.layernorm_epsilon, activation=p.activation.value,
         vocab_size=p.gpt.vocab_size, max_sequence_length=p.gpt.max_sequence_length,

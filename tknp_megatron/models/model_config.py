@@ -38,7 +38,6 @@ _UNSUPPORTED: Tuple[Tuple[str, str, str, Any], ...] = (
     ("multi-latent attention", "multi_latent_attention", "multi_latent_attention", False),
     ("QK layernorm", "qk_layernorm", "qk_layernorm", False),
     ("QK L2 norm", "qk_l2_norm", "qk_l2_norm", False),
-    ("QKV biases without linear biases", "add_qkv_bias", "add_qkv_bias", False),
     ("interleaved RoPE", "rotary_interleaved", "rotary_interleaved", False),
     ("sliding-window attention", "window_size", "window_size", None),
     ("post-layernorm residuals", "apply_residual_connection_post_layernorm",
@@ -66,6 +65,7 @@ _DEFAULTS: Dict[str, Any] = {
     "normalization": "LayerNorm",
     "gated_linear_unit": False,
     "add_bias_linear": True,
+    "add_qkv_bias": False,
     "layernorm_zero_centered_gamma": False,
     "layernorm_epsilon": 1e-5,
     "position_embedding_type": "rope",
@@ -164,6 +164,7 @@ def preset_from_model_config(cfg: Mapping[str, Any]) -> ModelPreset:
         zero_centered_gamma=bool(c["layernorm_zero_centered_gamma"]),
         layernorm_epsilon=float(c["layernorm_epsilon"]),
         add_bias_linear=bool(c["add_bias_linear"]),
+        add_qkv_bias=bool(c["add_qkv_bias"]),
         init_std=float(c["init_method_std"]),
         gpt=GPTArgs(
             vocab_size=c["vocab_size"],
@@ -221,6 +222,7 @@ def preset_from_checkpoint_args(args: Any, name: str = "checkpoint") -> ModelPre
         zero_centered_gamma=bool(getattr(args, "apply_layernorm_1p", False)),
         layernorm_epsilon=args.norm_epsilon,
         add_bias_linear=bool(args.add_bias_linear),
+        add_qkv_bias=bool(getattr(args, "add_qkv_bias", False)),
         gpt=GPTArgs(
             vocab_size=_unpadded_vocab(args),
             max_sequence_length=args.max_position_embeddings,
