@@ -4,6 +4,7 @@ reference (Megatron's GPTModel on one rank, same weights)."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import re
@@ -71,9 +72,12 @@ TINY = dict(name="tiny-odd", num_layers=4, hidden_size=64, num_attention_heads=4
             max_sequence_length=512, vocab_size=211)
 
 
-def save_worker(rank, world, config: dict, vocab_rows: int, ckpt_dir: str):
+def save_worker(rank, world, config: dict, vocab_rows: int, ckpt_dir: str, lm_args=None):
     """A seeded Megatron GPTModel at TP=world with ``vocab_rows`` embedding rows, saved
-    with ``dist_checkpointing.save`` (tied embeddings if the config says so)."""
+    with ``dist_checkpointing.save`` (tied embeddings if the config says so). With
+    ``lm_args``, laid out as Megatron-LM's training loop writes it: the state under
+    ``"model"`` beside ``args`` and ``iteration`` in ``iter_0001000/``, and the tracker
+    file naming that iteration."""
     warnings.simplefilter("ignore")
     from megatron.core import dist_checkpointing
 
@@ -86,19 +90,28 @@ def save_worker(rank, world, config: dict, vocab_rows: int, ckpt_dir: str):
     ps.initialize_model_parallel(world)
     model = build_reference_model(preset, vocab_size=vocab_rows)
     fill_seeded_(model, preset, SEED)
-    dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir,
-                            sharded_strategy=cpu_torch_dist_save_strategy())
+    state = model.sharded_state_dict()
+    if lm_args is not None:
+        state = {"args": lm_args, "checkpoint_version": 3.0, "iteration": 1000, "model": state}
+        Path(ckpt_dir, "latest_checkpointed_iteration.txt").write_text("1000")
+        ckpt_dir = str(Path(ckpt_dir, "iter_0001000"))
+        Path(ckpt_dir).mkdir()
+    dist_checkpointing.save(state, ckpt_dir, sharded_strategy=cpu_torch_dist_save_strategy())
     ps.destroy_model_parallel()
 
 
-def _serve(tmp_path: Path, config: dict, vocab_rows: int, nodes: int, tp: int) -> dict:
+def _serve(tmp_path: Path, config: dict, vocab_rows: int, nodes: int, tp: int,
+           lm_args=None) -> dict:
+    """Save a checkpoint, then serve it with the main job (with ``--model-config`` unless
+    the checkpoint carries Megatron-LM's args)."""
     ckpt, cfg = tmp_path / "ckpt", tmp_path / "model.json"
     ckpt.mkdir()
     cfg.write_text(json.dumps(config))
-    spawn(save_worker, 1, (config, vocab_rows, str(ckpt)), timeout_s=120)
+    spawn(save_worker, 1, (config, vocab_rows, str(ckpt), lm_args), timeout_s=120)
     out = tmp_path / "out.json"
-    cmd = [sys.executable, str(JOB), "--json", str(out), "--load", str(ckpt), "--model-config",
-           str(cfg), "--nodes", str(nodes), "--tp", str(tp), "--requests", "6",
+    source = [] if lm_args is not None else ["--model-config", str(cfg)]
+    cmd = [sys.executable, str(JOB), "--json", str(out), "--load", str(ckpt), *source,
+           "--nodes", str(nodes), "--tp", str(tp), "--requests", "6",
            "--output-len", "5", "--prompt-len", "3", "12", "--block-size", "4"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -180,3 +193,45 @@ def test_hf_families_match_transformers(tmp_path, family, tied):
     if family == "mistral":
         assert preset.gpt.max_sequence_length == 4096  # the sliding window
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+
+
+def megatron_lm_args(config: dict) -> argparse.Namespace:
+    """Megatron-LM's stored training arguments for ``config``'s architecture: the model
+    fields under Megatron-LM's names, among the training ones a real run stores."""
+    return argparse.Namespace(
+        num_layers=config["num_layers"], hidden_size=config["hidden_size"],
+        ffn_hidden_size=config["ffn_hidden_size"], num_attention_heads=config["num_attention_heads"],
+        group_query_attention=True, num_query_groups=config["num_query_groups"],
+        kv_channels=config["kv_channels"], max_position_embeddings=config["max_sequence_length"],
+        position_embedding_type="rope", rotary_percent=1.0, rotary_base=10000,
+        use_rope_scaling=False, normalization="RMSNorm", norm_epsilon=1e-5, swiglu=True,
+        squared_relu=False, add_bias_linear=False, add_qkv_bias=False,
+        untie_embeddings_and_output_weights=True, apply_layernorm_1p=False,
+        vocab_size=None, padded_vocab_size=256, make_vocab_size_divisible_by=128,
+        num_experts=None, multi_latent_attention=False, qk_layernorm=False,
+        # training-only arguments a real run stores too
+        micro_batch_size=4, global_batch_size=256, lr=3e-4, min_lr=3e-5, weight_decay=0.1,
+        clip_grad=1.0, adam_beta1=0.9, adam_beta2=0.95, init_method_std=0.02,
+        hidden_dropout=0.0, attention_dropout=0.0, bf16=True, seq_length=512,
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, train_iters=1000,
+        tokenizer_type="GPT2BPETokenizer", seed=1234, ckpt_format="torch_dist",
+    )
+
+
+def test_megatron_lm_training_checkpoint(tmp_path):
+    """A directory as Megatron-LM's training loop leaves it (tracker file, iter_NNNNNNN/,
+    args stored with it) serves with no --model-config."""
+    config = {**TINY, "vocab_size": 256}
+    report = _serve(tmp_path, config, 256, nodes=2, tp=1, lm_args=megatron_lm_args(config))
+    assert report["match_reference"] is True, report
+    assert report["completed"] == 6
+
+
+def test_megatron_lm_args_refuse_unsupported_features():
+    from tknp_megatron.models.model_config import preset_from_checkpoint_args
+
+    args = megatron_lm_args({**TINY, "vocab_size": 256})
+    assert preset_from_checkpoint_args(args).num_query_groups == 2
+    args.num_experts = 8
+    with pytest.raises(ValueError, match=r"mixture of experts \(num_moe_experts=8\)"):
+        preset_from_checkpoint_args(args)
