@@ -233,5 +233,5 @@ def test_megatron_lm_args_refuse_unsupported_features():
     args = megatron_lm_args({**TINY, "vocab_size": 256})
     assert preset_from_checkpoint_args(args).num_query_groups == 2
     args.num_experts = 8
-    with pytest.raises(ValueError, match=r"mixture of experts \(num_moe_experts=8\)"):
+    with pytest.raises(ValueError, match=r"mixture of experts \(num_experts=8\)"):
         preset_from_checkpoint_args(args)

@@ -96,17 +96,19 @@ def megatron_config_keys() -> frozenset:
     return frozenset(fields | args)
 
 
-def unsupported_features(get: Callable[[str, str, Any], Any]) -> List[str]:
-    """Features that are on, as ``"<what> (<key>=<value>)"``.
+def unsupported_features(get: Callable[[str, Any], Any], megatron_lm: bool = False) -> List[str]:
+    """Features that are on, as ``"<what> (<name>=<value>)"``.
 
-    ``get(config_key, lm_arg, off)`` reads one setting from either source, ``off`` if
-    absent. An empty / zero value counts as off too.
+    ``get(name, off)`` reads one setting by its ``TransformerConfig`` / ``GPTModel`` name,
+    or by its Megatron-LM argument name if ``megatron_lm``; ``off`` if absent. An empty or
+    zero value counts as off too.
     """
     found = []
     for what, key, lm_arg, off in _UNSUPPORTED:
-        value = get(key, lm_arg, off)
+        name = lm_arg if megatron_lm else key
+        value = get(name, off)
         if value != off and value not in (None, False, 0, "", [], ()):
-            found.append(f"{what} ({key}={value!r})")
+            found.append(f"{what} ({name}={value!r})")
     return found
 
 
@@ -143,7 +145,7 @@ def preset_from_model_config(cfg: Mapping[str, Any]) -> ModelPreset:
     missing = [k for k in _REQUIRED if k not in cfg]
     if missing:
         raise ValueError(f"model-config lacks required keys: {missing}")
-    _refuse("model-config", unsupported_features(lambda key, _lm, off: cfg.get(key, off)))
+    _refuse("model-config", unsupported_features(cfg.get))
     c = {**_DEFAULTS, **cfg}
     if c["position_embedding_type"] != "rope":
         raise ValueError(f"model-config: position_embedding_type {c['position_embedding_type']!r} "
@@ -197,7 +199,7 @@ def preset_from_checkpoint_args(args: Any, name: str = "checkpoint") -> ModelPre
     """A preset from Megatron-LM's training args (an ``argparse.Namespace``, as stored in
     ``common.pt``); refuses unsupported features by name."""
     _refuse(f"checkpoint {name}", unsupported_features(
-        lambda _key, lm_arg, off: getattr(args, lm_arg, off)))
+        lambda arg, off: getattr(args, arg, off), megatron_lm=True))
     heads = args.num_attention_heads
     if getattr(args, "squared_relu", False):
         act = Activation.SQUARED_RELU
