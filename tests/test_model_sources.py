@@ -235,3 +235,14 @@ def test_megatron_lm_args_refuse_unsupported_features():
     args.num_experts = 8
     with pytest.raises(ValueError, match=r"mixture of experts \(num_experts=8\)"):
         preset_from_checkpoint_args(args)
+
+
+def test_squared_relu_is_eager():
+    """Nemotron's activation must not be Megatron's torch.compile'd one: compiling on the
+    first decode steps stalled every run by seconds."""
+    from tknp_megatron.config import Activation
+
+    fn = Activation.SQUARED_RELU.fn()
+    assert not hasattr(fn, "_torchdynamo_orig_callable")
+    x = torch.randn(64)
+    torch.testing.assert_close(fn(x), torch.nn.functional.relu(x) ** 2, rtol=0, atol=0)

@@ -37,9 +37,18 @@ class Activation(str, enum.Enum):
             return torch.nn.functional.silu
         if self is Activation.GELU:
             return torch.nn.functional.gelu
-        from megatron.core.activations import squared_relu
-
         return squared_relu
+
+
+def squared_relu(x: torch.Tensor) -> torch.Tensor:
+    """``relu(x) ** 2``, as Megatron's ``squared_relu`` computes it, but not compiled.
+
+    Megatron wraps its own in ``torch.compile`` at import: the first call, and each new
+    batch shape, then compiles for seconds, which stalled the first decode steps of every
+    run (queue waits of 5-9 s on a tiny model). Decode steps are replayed from CUDA graphs
+    on GPUs, so the fusion buys nothing there.
+    """
+    return torch.pow(torch.nn.functional.relu(x), 2)
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
