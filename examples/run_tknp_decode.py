@@ -161,7 +161,7 @@ def checkpoint_dir(args) -> Iterator[Optional[str]]:
 
 
 def _model_config(path: str) -> ModelPreset:
-    from tknp_megatron.models.checkpoint import load_model_config
+    from tknp_megatron.models.model_config import load_model_config
 
     try:
         return load_model_config(path)[0]  # params_dtype is the file's; --dtype serves
@@ -171,10 +171,8 @@ def _model_config(path: str) -> ModelPreset:
 
 def _checkpoint_preset(ckpt: str) -> ModelPreset:
     """``ckpt/model_config.json`` (written by the HF converter), else Megatron-LM's args."""
-    from tknp_megatron.models.checkpoint import (
-        preset_from_checkpoint_args,
-        read_checkpoint_args,
-    )
+    from tknp_megatron.models.checkpoint import read_checkpoint_args
+    from tknp_megatron.models.model_config import preset_from_checkpoint_args
 
     config = os.path.join(ckpt, "model_config.json")
     if os.path.exists(config):

@@ -26,7 +26,7 @@ import torch
 from tests.tknp_workers import Scenario, run_scenario
 from tknp_megatron.config import get_preset
 from tknp_megatron.launch import spawn
-from tknp_megatron.models.checkpoint import preset_from_model_config
+from tknp_megatron.models.model_config import preset_from_model_config
 
 SEED = 11
 SCENARIO = Scenario(
@@ -211,7 +211,7 @@ def test_model_config_rejects_unknown_keys():
 
 
 def test_model_config_file(tmp_path):
-    from tknp_megatron.models.checkpoint import load_model_config
+    from tknp_megatron.models.model_config import load_model_config
 
     path = tmp_path / "model.json"
     path.write_text(json.dumps({**BIG, "params_dtype": "bfloat16"}))

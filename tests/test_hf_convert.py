@@ -22,10 +22,8 @@ def convert_and_run(rank, world, hf_dir, out_dir, ids):
     warnings.simplefilter("ignore")
     import parallel_state as ps
     from tknp_megatron.executor.rope import Rope
-    from tknp_megatron.models.checkpoint import (
-        load_megatron_checkpoint,
-        load_model_config,
-    )
+    from tknp_megatron.models.checkpoint import load_megatron_checkpoint
+    from tknp_megatron.models.model_config import load_model_config
     from tknp_megatron.models.hf_convert import convert_hf_to_dist_checkpoint
     from tknp_megatron.models.reference import build_reference_model, reference_logits
 
@@ -108,7 +106,7 @@ def test_hf_nemotron_config_preset():
     ("hidden_act", "gelu"),
     ("rope_scaling", {"rope_type": "linear", "factor": 2.0}),
     ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
-    ("model_type", "mistral"),
+    ("model_type", "gemma"),
 ])
 def test_hf_config_unsupported_field(field, value):
     from tknp_megatron.models.hf_convert import preset_from_hf_config

@@ -51,7 +51,7 @@ def _run_job(out: Path, *args) -> dict:
 def save_worker(rank, world, config, ckpt_dir):
     """Plain Megatron-Core: a seeded GPTModel at TP=2, dist_checkpointing.save."""
     warnings.simplefilter("ignore")
-    from tknp_megatron.models.checkpoint import preset_from_model_config
+    from tknp_megatron.models.model_config import preset_from_model_config
 
     save_gpt_checkpoint(preset_from_model_config(config), 2, ckpt_dir, seed=11)
 

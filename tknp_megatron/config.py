@@ -37,9 +37,18 @@ class Activation(str, enum.Enum):
             return torch.nn.functional.silu
         if self is Activation.GELU:
             return torch.nn.functional.gelu
-        from megatron.core.activations import squared_relu
-
         return squared_relu
+
+
+def squared_relu(x: torch.Tensor) -> torch.Tensor:
+    """``relu(x) ** 2``, as Megatron's ``squared_relu`` computes it, but not compiled.
+
+    Megatron wraps its own in ``torch.compile`` at import: the first call, and each new
+    batch shape, then compiles for seconds, which stalled the first decode steps of every
+    run (queue waits of 5-9 s on a tiny model). Decode steps are replayed from CUDA graphs
+    on GPUs, so the fusion buys nothing there.
+    """
+    return torch.pow(torch.nn.functional.relu(x), 2)
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -86,6 +95,7 @@ class ModelPreset:
         zero_centered_gamma: norm weight stored as ``gamma - 1`` (Nemotron's LayerNorm1p).
         layernorm_epsilon: norm epsilon.
         add_bias_linear: biases on the linear layers.
+        add_qkv_bias: biases on the QKV projection only (Qwen2); implied by add_bias_linear.
         gpt: ``GPTModel`` arguments (RoPE, vocabulary, tying).
         init_std: std of the seeded random weights when no checkpoint is loaded.
     """
@@ -104,6 +114,7 @@ class ModelPreset:
     zero_centered_gamma: bool = False
     layernorm_epsilon: float = 1e-5
     add_bias_linear: bool = False
+    add_qkv_bias: bool = False
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
@@ -164,12 +175,14 @@ class ModelPreset:
             gated_linear_unit=self.gated,
             activation_func=self.activation.fn(),
             add_bias_linear=self.add_bias_linear,
+            add_qkv_bias=self.add_qkv_bias,
             tensor_model_parallel_size=tensor_model_parallel_size,
             params_dtype=params_dtype,
             bf16=params_dtype == torch.bfloat16,
             fp16=params_dtype == torch.float16,
             use_cpu_initialization=use_cpu_initialization,
             perform_initialization=False,
+            init_method_std=self.init_std,
             hidden_dropout=0.0,
             attention_dropout=0.0,
             bias_dropout_fusion=False,
@@ -203,17 +216,19 @@ class ModelPreset:
         if self.add_bias_linear:
             fc1_out = 2 * self.ffn_hidden_size if self.gated else self.ffn_hidden_size
             out["biases"] = self.qkv_width + d + fc1_out + d
+        elif self.add_qkv_bias:
+            out["biases"] = self.qkv_width
         return out
 
     def embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size
 
     def output_params(self) -> int:
-        """Output layer (0 when tied to the embedding) plus the final norm."""
+        """Output layer plus the final norm. A tied output layer counts too: the last block
+        stores its own copy of the embedding (the first block sits on another node)."""
         d = self.hidden_size
         final_norm = 2 * d if self.normalization == "LayerNorm" else d
-        head = 0 if self.gpt.share_embeddings_and_output_weights else self.vocab_size * d
-        return head + final_norm
+        return self.vocab_size * d + final_norm
 
     def total_params(self) -> int:
         per_layer = sum(self.layer_linear_params().values()) + sum(

@@ -1,8 +1,16 @@
-"""Hugging Face Llama / Nemotron safetensors -> Megatron ``GPTModel`` state dict / dist checkpoint.
+"""Hugging Face Llama / Mistral / Qwen2 / Nemotron safetensors -> Megatron ``GPTModel`` dist checkpoint.
 
 :func:`convert_hf_to_dist_checkpoint` dispatches on ``config.json``'s ``model_type``:
-``llama`` (``LlamaForCausalLM``) or ``nemotron`` (``NemotronForCausalLM``, e.g. Nemotron-4
-340B). Keys below are local-spec ``GPTModel.state_dict()`` keys; ``L`` = layer index.
+``llama``, ``mistral`` and ``qwen2`` (Llama's mapping) or ``nemotron``
+(``NemotronForCausalLM``, e.g. Nemotron-4 340B). Keys below are local-spec
+``GPTModel.state_dict()`` keys; ``L`` = layer index. (Over 350 lines: the key tables of each
+family live here, beside the code that applies them.)
+
+Mistral is Llama's layers; a ``sliding_window`` caps the served sequence length at the
+window, within which attention is the same as full attention. Qwen2 adds q/k/v biases,
+fused into ``linear_qkv.bias`` grouped per KV head like the weights (Megatron's
+``add_qkv_bias``). Tied embeddings (``tie_word_embeddings``) are untied: the output layer
+gets a copy of the embedding.
 
 Llama:
 
@@ -68,16 +76,17 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Dict, Union
+from typing import Dict, Optional, Union
 
 import torch
 
-from tknp_megatron.config import Activation, GPTArgs, ModelPreset
+from tknp_megatron.config import Activation, GPTArgs, ModelPreset, dtype_from_name
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "convert_hf_to_dist_checkpoint",
     "convert_llama_to_dist_checkpoint",
+    "hf_checkpoint_dtype",
     "hf_state_dict",
     "llama_state_dict",
     "nemotron_state_dict",
@@ -85,7 +94,8 @@ __all__ = [
 ]
 
 PathLike = Union[str, os.PathLike]
-SUPPORTED_MODEL_TYPES = ("llama", "nemotron")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2")  # Llama's mapping; Qwen2 adds QKV biases
+SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "nemotron")
 
 
 def preset_from_hf_config(cfg: Dict, name: str = "hf") -> ModelPreset:
@@ -93,14 +103,16 @@ def preset_from_hf_config(cfg: Dict, name: str = "hf") -> ModelPreset:
     (default ``llama``). Tied embeddings are untied on conversion. Unsupported settings
     raise ``ValueError`` naming the config field."""
     model_type = cfg.get("model_type", "llama")
-    if model_type == "llama":
-        return _llama_preset(cfg, name)
+    if model_type in LLAMA_FAMILY:
+        return _llama_preset(cfg, name, model_type)
     if model_type == "nemotron":
         return _nemotron_preset(cfg, name)
     raise ValueError(f"model_type {model_type!r} unsupported (one of {SUPPORTED_MODEL_TYPES})")
 
 
-def _llama_preset(cfg: Dict, name: str) -> ModelPreset:
+def _llama_preset(cfg: Dict, name: str, model_type: str = "llama") -> ModelPreset:
+    """Llama, Mistral (Llama's layers; a sliding window caps the served length, within which
+    attention is exact) and Qwen2 (Llama's layers plus q/k/v biases)."""
     heads = cfg["num_attention_heads"]
     scaling = cfg.get("rope_scaling") or (cfg.get("rope_parameters") or {})
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
@@ -113,6 +125,11 @@ def _llama_preset(cfg: Dict, name: str) -> ModelPreset:
     theta = cfg.get("rope_theta", scaling.get("rope_theta", 10000.0))
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
         raise ValueError("attention_bias / mlp_bias not supported")
+    if cfg.get("use_sliding_window"):
+        raise ValueError(f"{model_type} use_sliding_window=True unsupported (full attention only)")
+    max_len = cfg.get("max_position_embeddings", 4096)
+    if model_type == "mistral" and cfg.get("sliding_window"):
+        max_len = min(max_len, int(cfg["sliding_window"]))
     return ModelPreset(
         name=name,
         num_layers=cfg["num_hidden_layers"],
@@ -125,9 +142,10 @@ def _llama_preset(cfg: Dict, name: str) -> ModelPreset:
         activation=Activation.SILU,
         normalization="RMSNorm",
         layernorm_epsilon=cfg.get("rms_norm_eps", 1e-6),
+        add_qkv_bias=model_type == "qwen2",
         gpt=GPTArgs(
             vocab_size=cfg["vocab_size"],
-            max_sequence_length=cfg.get("max_position_embeddings", 4096),
+            max_sequence_length=max_len,
             rotary_base=int(theta),
             rope_scaling=llama3,
             rope_scaling_factor=float(scaling.get("factor", 8.0)) if llama3 else 8.0,
@@ -204,12 +222,13 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _fuse_qkv(q, k, v, preset: ModelPreset) -> torch.Tensor:
-    """``[Hq d, D]``, ``[Hkv d, D]`` x2 -> Megatron's grouped ``[(Hq + 2 Hkv) d, D]``."""
-    g, d, hidden = preset.num_query_groups, preset.kv_channels, q.shape[1]
-    q = q.reshape(g, -1, d, hidden)  # [g, Hq/g, d, D]
-    k = k.reshape(g, 1, d, hidden)
-    v = v.reshape(g, 1, d, hidden)
-    return torch.cat([q, k, v], dim=1).reshape(-1, hidden)
+    """``[Hq d, *D]``, ``[Hkv d, *D]`` x2 -> Megatron's grouped ``[(Hq + 2 Hkv) d, *D]``
+    (weights with ``D`` the hidden size, or biases with no ``D``)."""
+    g, d, rest = preset.num_query_groups, preset.kv_channels, tuple(q.shape[1:])
+    q = q.reshape(g, -1, d, *rest)  # [g, Hq/g, d, *D]
+    k = k.reshape(g, 1, d, *rest)
+    v = v.reshape(g, 1, d, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
 
 
 def _common_state_dict(hf: Dict[str, torch.Tensor], preset: ModelPreset,
@@ -221,10 +240,9 @@ def _common_state_dict(hf: Dict[str, torch.Tensor], preset: ModelPreset,
     out["output_layer.weight"] = _pad_rows(hf.get("lm_head.weight", emb), padded_vocab)
     for i in range(preset.num_layers):
         attn, dst = f"model.layers.{i}.self_attn.", f"decoder.layers.{i}.self_attention."
-        out[dst + "linear_qkv.weight"] = _fuse_qkv(
-            hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"],
-            preset,
-        )
+        for kind in ("weight", "bias") if preset.add_qkv_bias else ("weight",):
+            out[dst + f"linear_qkv.{kind}"] = _fuse_qkv(
+                *(hf[attn + f"{p}_proj.{kind}"] for p in "qkv"), preset)
         out[dst + "linear_proj.weight"] = hf[attn + "o_proj.weight"]
     return out
 
@@ -267,7 +285,7 @@ def nemotron_state_dict(hf: Dict[str, torch.Tensor], preset: ModelPreset, padded
     return {k: v.to(dtype) for k, v in out.items()}
 
 
-_STATE_DICT_FNS = {"llama": llama_state_dict, "nemotron": nemotron_state_dict}
+_STATE_DICT_FNS = {**dict.fromkeys(LLAMA_FAMILY, llama_state_dict), "nemotron": nemotron_state_dict}
 
 
 def hf_state_dict(model_type: str, hf: Dict[str, torch.Tensor], preset: ModelPreset,
@@ -282,9 +300,24 @@ def hf_state_dict(model_type: str, hf: Dict[str, torch.Tensor], preset: ModelPre
     return fn(hf, preset, padded_vocab, dtype)
 
 
+def hf_checkpoint_dtype(hf_dir: PathLike) -> torch.dtype:
+    """The dtype a Hugging Face folder stores: ``config.json``'s ``torch_dtype`` (``dtype``
+    in transformers 5), else that of its first floating-point tensor."""
+    cfg = json.loads((Path(hf_dir) / "config.json").read_text())
+    name = cfg.get("torch_dtype") or cfg.get("dtype")
+    if isinstance(name, str):
+        return dtype_from_name(name.removeprefix("torch."))
+    tensors = _read_safetensors(Path(hf_dir))
+    return next(t.dtype for t in tensors.values() if t.is_floating_point())
+
+
 def convert_hf_to_dist_checkpoint(hf_dir: PathLike, out_dir: PathLike,
-                                  dtype: torch.dtype = torch.float32) -> ModelPreset:
+                                  dtype: Optional[torch.dtype] = None) -> ModelPreset:
     """Write a ``torch_dist`` checkpoint that :func:`load_megatron_checkpoint` serves.
+
+    ``dtype`` None keeps the folder's own dtype (:func:`hf_checkpoint_dtype`), so a
+    conversion changes no value unless told to; ``model_config.json`` records it as
+    ``params_dtype``.
 
     ``hf_dir`` holds ``config.json`` and ``*.safetensors`` of a Llama or Nemotron model
     (``model_type`` picks the mapping). Builds the full TP=1 ``GPTModel`` in this process
@@ -299,6 +332,7 @@ def convert_hf_to_dist_checkpoint(hf_dir: PathLike, out_dir: PathLike,
     from tknp_megatron.models.reference import build_reference_model
 
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    dtype = dtype or hf_checkpoint_dtype(hf_dir)
     cfg = json.loads((hf_dir / "config.json").read_text())
     preset = preset_from_hf_config(cfg, name=hf_dir.name or "hf")
     model = build_reference_model(preset, dtype)
@@ -312,7 +346,7 @@ def convert_hf_to_dist_checkpoint(hf_dir: PathLike, out_dir: PathLike,
     dist_checkpointing.save(model.sharded_state_dict(), str(out_dir),
                             sharded_strategy=cpu_torch_dist_save_strategy())
     if torch.distributed.get_rank() == 0:
-        (out_dir / "model_config.json").write_text(json.dumps(_model_config(preset), indent=1))
+        (out_dir / "model_config.json").write_text(json.dumps(_model_config(preset, dtype), indent=1))
     return preset
 
 
@@ -320,14 +354,14 @@ def convert_hf_to_dist_checkpoint(hf_dir: PathLike, out_dir: PathLike,
 convert_llama_to_dist_checkpoint = convert_hf_to_dist_checkpoint
 
 
-def _model_config(p: ModelPreset) -> Dict:
-    """``--model-config`` JSON for a preset (see :func:`checkpoint.preset_from_model_config`)."""
+def _model_config(p: ModelPreset, dtype: torch.dtype) -> Dict:
+    """``--model-config`` JSON for a preset (see :func:`tknp_megatron.models.model_config.preset_from_model_config`)."""
     return dict(
         name=p.name, num_layers=p.num_layers, hidden_size=p.hidden_size,
         num_attention_heads=p.num_attention_heads, num_query_groups=p.num_query_groups,
         kv_channels=p.kv_channels, ffn_hidden_size=p.ffn_hidden_size,
         normalization=p.normalization, gated_linear_unit=p.gated,
-        add_bias_linear=p.add_bias_linear,
+        add_bias_linear=p.add_bias_linear, add_qkv_bias=p.add_qkv_bias,
         layernorm_zero_centered_gamma=p.zero_centered_gamma,
         layernorm_epsilon=p.layernorm_epsilon, activation=p.activation.value,
         vocab_size=p.gpt.vocab_size, max_sequence_length=p.gpt.max_sequence_length,
@@ -335,4 +369,5 @@ def _model_config(p: ModelPreset) -> Dict:
         rotary_percent=p.gpt.rotary_percent, rotary_base=p.gpt.rotary_base,
         rope_scaling=p.gpt.rope_scaling, rope_scaling_factor=p.gpt.rope_scaling_factor,
         share_embeddings_and_output_weights=False,
+        params_dtype=str(dtype).removeprefix("torch."),
     )

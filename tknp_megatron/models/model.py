@@ -14,6 +14,8 @@ Modules are built on the meta device and only the stored blocks are materialised
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -41,6 +43,7 @@ __all__ = [
     "final_norm_spec",
     "layer_spec",
     "padded_vocab_size",
+    "served_vocab_size",
 ]
 
 
@@ -144,11 +147,6 @@ class StageModel(MegatronModule):
         self.pre_process = pre_process
         self.post_process = post_process
         self.padded_vocab_size = padded_vocab_size
-        if preset.gpt.share_embeddings_and_output_weights:
-            raise ValueError(
-                "tied embeddings: the first and last blocks sit on different nodes; "
-                "untie the output layer when converting the checkpoint"
-            )
         self.embedding = None
         if pre_process:
             self.embedding = LanguageModelEmbedding(
@@ -186,17 +184,52 @@ class StageModel(MegatronModule):
             out.update(self.embedding.sharded_state_dict(f"{prefix}embedding.", (), metadata))
         out.update(self.decoder.sharded_state_dict(f"{prefix}decoder.", (), metadata))
         if self.output_layer is not None:
-            out.update(
-                self.output_layer.sharded_state_dict(f"{prefix}output_layer.", (), metadata)
-            )
-            out.pop(f"{prefix}output_layer._extra_state", None)
+            head = self.output_layer.sharded_state_dict(f"{prefix}output_layer.", (), metadata)
+            head.pop(f"{prefix}output_layer._extra_state", None)
+            if self.preset.gpt.share_embeddings_and_output_weights:
+                head = _tied_to_embedding(head, prefix)
+            out.update(head)
         return out
+
+
+def _tied_to_embedding(head: dict, prefix: str) -> dict:
+    """A tied output layer reads (and is seeded from) the embedding's checkpoint key.
+
+    The first and last blocks sit on different nodes, so the last block stores its own
+    copy of the embedding matrix as its output layer; Megatron's checkpoints of a tied
+    model hold only ``embedding.word_embeddings.weight``.
+    """
+    key = f"{prefix}output_layer.weight"
+    own = head.pop(key)
+    tied = dataclasses.replace(own, key=f"{prefix}embedding.word_embeddings.weight",
+                               replica_id=(1, *own.replica_id[1:]))  # not the main copy
+    return {**head, key: tied}
 
 
 def padded_vocab_size(preset: ModelPreset, tp: int, divisible_by: int = 128) -> int:
     """Megatron-LM's padding: vocab rounded up to a multiple of ``divisible_by * tp``."""
-    multiple = divisible_by * tp
-    return -(-preset.vocab_size // multiple) * multiple
+    return _round_up(preset.vocab_size, divisible_by * tp)
+
+
+def served_vocab_size(preset: ModelPreset, tp: int, checkpoint_rows: Optional[int] = None,
+                      divisible_by: int = 128) -> int:
+    """Embedding / output-layer rows of the served model at TP ``tp``.
+
+    Without a checkpoint, Megatron-LM's padding of the preset's vocabulary. With one, its
+    rows when ``tp`` divides them (the usual case: the checkpoint was padded as Megatron
+    pads), else Megatron's padding at this TP (at least the checkpoint's rows): the
+    loader then copies the checkpoint's rows and zero-fills the rest, and logits beyond
+    the vocabulary are never sampled.
+    """
+    if checkpoint_rows is None:
+        return padded_vocab_size(preset, tp, divisible_by)
+    if checkpoint_rows % tp == 0:
+        return checkpoint_rows
+    return _round_up(max(checkpoint_rows, preset.vocab_size), divisible_by * tp)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def build_stage_model(
@@ -215,7 +248,7 @@ def build_stage_model(
     """Build the stored part on the meta device, then allocate it on ``device``.
 
     Parameters are uninitialised: fill them from a checkpoint or :mod:`tknp_megatron.models.weights`.
-    ``vocab_size`` overrides the padded vocabulary (e.g. a checkpoint's).
+    ``vocab_size`` is the checkpoint's embedding rows, if any (see :func:`served_vocab_size`).
     """
     config = preset.to_transformer_config(
         tensor_model_parallel_size=tp,
@@ -223,7 +256,7 @@ def build_stage_model(
         use_cpu_initialization=device.type == "cpu",
         **config_overrides,
     )
-    vocab = vocab_size or padded_vocab_size(preset, tp)
+    vocab = served_vocab_size(preset, tp, vocab_size)
     with torch.device("meta"):
         model = StageModel(preset, config, layers, pre_process, post_process, vocab, use_te)
     model = model.to_empty(device=device)

@@ -72,7 +72,9 @@ def reference_logits(model: GPTModel, rope: Rope, tokens: torch.Tensor, vocab: i
     hidden = model.embedding(ids, position_ids=None)  # [s, b, h]
     freqs = rope.freqs(torch.arange(tokens.numel(), device=tokens.device))
     hidden = model.decoder(hidden, attention_mask=None, rotary_pos_emb=freqs)
-    logits, _ = model.output_layer(hidden)
+    tied = model.share_embeddings_and_output_weights  # then the output layer owns no weight
+    weight = model.shared_embedding_or_output_weight() if tied else None
+    logits, _ = model.output_layer(hidden, weight=weight)
     return logits[:, 0, :vocab].float()
 
 

@@ -1,0 +1,248 @@
+"""Models made elsewhere: configs as Megatron writes them, checkpoints whose vocabulary the
+serving TP does not divide, and tied embeddings, each served and checked against the
+reference (Megatron's GPTModel on one rank, same weights)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from tknp_megatron.config import get_preset
+from tknp_megatron.launch import spawn
+from tknp_megatron.models.model_config import preset_from_model_config
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = ROOT / "examples" / "run_tknp_decode.py"
+SEED = 5
+
+
+def megatron_config_dump(preset) -> dict:
+    """What a Megatron training run's config looks like as JSON: every JSON-representable
+    ``TransformerConfig`` field of the preset's config, plus the ``GPTModel`` arguments."""
+    config = preset.to_transformer_config(1, torch.float32)
+    out = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, torch.dtype):
+            value = str(value).removeprefix("torch.")
+        if value is None or isinstance(value, (bool, int, float, str, list)):
+            out[f.name] = value
+    out["activation_func"] = f"torch.nn.functional.{preset.activation.value}"
+    out.update(dataclasses.asdict(preset.gpt), name=preset.name)
+    return out
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-nemotron", "llama3.1-405b", "nemotron4-340b"])
+def test_full_transformer_config_round_trips(name):
+    preset = get_preset(name)
+    dump = megatron_config_dump(preset)
+    assert len(dump) > 150  # the whole TransformerConfig, training fields included
+    assert "init_method_std" in dump and "bias_dropout_fusion" in dump
+    assert preset_from_model_config(json.loads(json.dumps(dump))) == preset
+
+
+@pytest.mark.parametrize("key, value", [
+    ("num_moe_experts", 8), ("multi_latent_attention", True), ("qk_layernorm", True),
+    ("window_size", [128, 0]), ("rotary_interleaved", True), ("softmax_type", "learnable"),
+])
+def test_unsupported_features_are_refused_by_name(key, value):
+    dump = {**megatron_config_dump(get_preset("tiny")), key: value}
+    with pytest.raises(ValueError, match="not supported by tknp-megatron: .*" + re.escape(f"({key}={value!r})")):
+        preset_from_model_config(dump)
+
+
+def test_typos_are_still_refused():
+    with pytest.raises(ValueError, match=r"\['hiden_size'\]"):
+        preset_from_model_config({**megatron_config_dump(get_preset("tiny")), "hiden_size": 64})
+
+
+# ------------------------------------------------------------------ served checkpoints
+TINY = dict(name="tiny-odd", num_layers=4, hidden_size=64, num_attention_heads=4,
+            num_query_groups=2, kv_channels=16, ffn_hidden_size=160, normalization="RMSNorm",
+            gated_linear_unit=True, add_bias_linear=False, activation="silu",
+            max_sequence_length=512, vocab_size=211)
+
+
+def save_worker(rank, world, config: dict, vocab_rows: int, ckpt_dir: str, lm_args=None):
+    """A seeded Megatron GPTModel at TP=world with ``vocab_rows`` embedding rows, saved
+    with ``dist_checkpointing.save`` (tied embeddings if the config says so). With
+    ``lm_args``, laid out as Megatron-LM's training loop writes it: the state under
+    ``"model"`` beside ``args`` and ``iteration`` in ``iter_0001000/``, and the tracker
+    file naming that iteration."""
+    warnings.simplefilter("ignore")
+    from megatron.core import dist_checkpointing
+
+    import parallel_state as ps
+    from tknp_megatron.models.cpu_shims import cpu_torch_dist_save_strategy
+    from tknp_megatron.models.reference import build_reference_model
+    from tknp_megatron.models.weights import fill_seeded_
+
+    preset = preset_from_model_config(config)
+    ps.initialize_model_parallel(world)
+    model = build_reference_model(preset, vocab_size=vocab_rows)
+    fill_seeded_(model, preset, SEED)
+    state = model.sharded_state_dict()
+    if lm_args is not None:
+        state = {"args": lm_args, "checkpoint_version": 3.0, "iteration": 1000, "model": state}
+        Path(ckpt_dir, "latest_checkpointed_iteration.txt").write_text("1000")
+        ckpt_dir = str(Path(ckpt_dir, "iter_0001000"))
+        Path(ckpt_dir).mkdir()
+    dist_checkpointing.save(state, ckpt_dir, sharded_strategy=cpu_torch_dist_save_strategy())
+    ps.destroy_model_parallel()
+
+
+def _serve(tmp_path: Path, config: dict, vocab_rows: int, nodes: int, tp: int,
+           lm_args=None) -> dict:
+    """Save a checkpoint, then serve it with the main job (with ``--model-config`` unless
+    the checkpoint carries Megatron-LM's args)."""
+    ckpt, cfg = tmp_path / "ckpt", tmp_path / "model.json"
+    ckpt.mkdir()
+    cfg.write_text(json.dumps(config))
+    spawn(save_worker, 1, (config, vocab_rows, str(ckpt), lm_args), timeout_s=120)
+    out = tmp_path / "out.json"
+    source = [] if lm_args is not None else ["--model-config", str(cfg)]
+    cmd = [sys.executable, str(JOB), "--json", str(out), "--load", str(ckpt), *source,
+           "--nodes", str(nodes), "--tp", str(tp), "--requests", "6",
+           "--output-len", "5", "--prompt-len", "3", "12", "--block-size", "4"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(out.read_text())
+
+
+def test_vocabulary_not_divisible_by_tp(tmp_path):
+    """211 rows saved at TP1, served at TP2: padded to Megatron's multiple, padded logits
+    never sampled, the unpadded model's tokens."""
+    report = _serve(tmp_path, TINY, 211, nodes=2, tp=2)
+    assert report["match_reference"] is True, report
+    assert report["completed"] == 6
+    assert all(0 <= t < 211 for out in report["outputs"] for t in out)
+
+
+def test_tied_embeddings(tmp_path):
+    """A tied checkpoint (no output_layer.weight): the last block, on another node than
+    the embedding, reads the embedding matrix as its output layer."""
+    config = {**TINY, "vocab_size": 256, "share_embeddings_and_output_weights": True}
+    report = _serve(tmp_path, config, 256, nodes=2, tp=1)
+    assert report["match_reference"] is True, report
+
+
+def test_conversion_keeps_the_checkpoint_dtype(tmp_path):
+    """The converter writes the dtype the folder stores (here float32) unless told
+    otherwise, says so, and records it in model_config.json."""
+    pytest.importorskip("transformers")
+    from tests.test_hf_convert import _make_hf
+
+    hf_dir, out_dir = tmp_path / "hf", tmp_path / "mcore"
+    _make_hf(hf_dir, None)
+    cmd = [sys.executable, "-m", "tknp_megatron.tools.convert_hf_checkpoint", "--hf", str(hf_dir),
+           "--out", str(out_dir)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert "float32" in proc.stdout
+    assert json.loads((out_dir / "model_config.json").read_text())["params_dtype"] == "float32"
+
+
+def _hf_family(folder, family: str, tied: bool):
+    """A tiny random ``family`` model (transformers' own class), saved as safetensors, and
+    its fp32 logits on a random sequence."""
+    import transformers
+
+    from tests.test_hf_convert import _perturb_norms, _save_and_run
+
+    config_cls, model_cls = {
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+        "mistral": ("MistralConfig", "MistralForCausalLM"),
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    }[family]
+    extra = {"sliding_window": 4096} if family == "mistral" else {}
+    cfg = getattr(transformers, config_cls)(
+        hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, max_position_embeddings=8192, rms_norm_eps=1e-5,
+        tie_word_embeddings=tied, **extra)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(cfg).float().eval()
+    _perturb_norms(model)
+    with torch.no_grad():  # HF initialises biases to zero: make them count
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(std=0.5)
+    return _save_and_run(model, folder, 256)
+
+
+@pytest.mark.parametrize("family, tied", [("qwen2", True), ("qwen2", False), ("mistral", False),
+                                          ("llama", True)])
+def test_hf_families_match_transformers(tmp_path, family, tied):
+    """Converted Qwen2 (q/k/v biases), Mistral and tied-embedding models give
+    ``transformers``' own fp32 logits through Megatron's GPTModel."""
+    pytest.importorskip("transformers")
+    from tests.test_hf_convert import convert_and_run
+
+    hf_dir, out_dir = tmp_path / "hf", tmp_path / "mcore"
+    ids, expected = _hf_family(hf_dir, family, tied)
+    logits, preset = spawn(convert_and_run, 1, (str(hf_dir), str(out_dir), ids), timeout_s=120)[0]
+    assert preset.add_qkv_bias == (family == "qwen2")
+    if family == "mistral":
+        assert preset.gpt.max_sequence_length == 4096  # the sliding window
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+
+
+def megatron_lm_args(config: dict) -> argparse.Namespace:
+    """Megatron-LM's stored training arguments for ``config``'s architecture: the model
+    fields under Megatron-LM's names, among the training ones a real run stores."""
+    return argparse.Namespace(
+        num_layers=config["num_layers"], hidden_size=config["hidden_size"],
+        ffn_hidden_size=config["ffn_hidden_size"], num_attention_heads=config["num_attention_heads"],
+        group_query_attention=True, num_query_groups=config["num_query_groups"],
+        kv_channels=config["kv_channels"], max_position_embeddings=config["max_sequence_length"],
+        position_embedding_type="rope", rotary_percent=1.0, rotary_base=10000,
+        use_rope_scaling=False, normalization="RMSNorm", norm_epsilon=1e-5, swiglu=True,
+        squared_relu=False, add_bias_linear=False, add_qkv_bias=False,
+        untie_embeddings_and_output_weights=True, apply_layernorm_1p=False,
+        vocab_size=None, padded_vocab_size=256, make_vocab_size_divisible_by=128,
+        num_experts=None, multi_latent_attention=False, qk_layernorm=False,
+        # training-only arguments a real run stores too
+        micro_batch_size=4, global_batch_size=256, lr=3e-4, min_lr=3e-5, weight_decay=0.1,
+        clip_grad=1.0, adam_beta1=0.9, adam_beta2=0.95, init_method_std=0.02,
+        hidden_dropout=0.0, attention_dropout=0.0, bf16=True, seq_length=512,
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, train_iters=1000,
+        tokenizer_type="GPT2BPETokenizer", seed=1234, ckpt_format="torch_dist",
+    )
+
+
+def test_megatron_lm_training_checkpoint(tmp_path):
+    """A directory as Megatron-LM's training loop leaves it (tracker file, iter_NNNNNNN/,
+    args stored with it) serves with no --model-config."""
+    config = {**TINY, "vocab_size": 256}
+    report = _serve(tmp_path, config, 256, nodes=2, tp=1, lm_args=megatron_lm_args(config))
+    assert report["match_reference"] is True, report
+    assert report["completed"] == 6
+
+
+def test_megatron_lm_args_refuse_unsupported_features():
+    from tknp_megatron.models.model_config import preset_from_checkpoint_args
+
+    args = megatron_lm_args({**TINY, "vocab_size": 256})
+    assert preset_from_checkpoint_args(args).num_query_groups == 2
+    args.num_experts = 8
+    with pytest.raises(ValueError, match=r"mixture of experts \(num_experts=8\)"):
+        preset_from_checkpoint_args(args)
+
+
+def test_squared_relu_is_eager():
+    """Nemotron's activation must not be Megatron's torch.compile'd one: compiling on the
+    first decode steps stalled every run by seconds."""
+    from tknp_megatron.config import Activation
+
+    fn = Activation.SQUARED_RELU.fn()
+    assert not hasattr(fn, "_torchdynamo_orig_callable")
+    x = torch.randn(64)
+    torch.testing.assert_close(fn(x), torch.nn.functional.relu(x) ** 2, rtol=0, atol=0)
