@@ -8,6 +8,7 @@ Everything here is made in the test (no downloads); heavy imports (``tokenizers`
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Callable, Dict, Iterator, Optional, Tuple
 
@@ -22,7 +23,9 @@ __all__ = [
     "HF_SEQ",
     "make_hf_llama",
     "make_hf_nemotron",
-    "gpt_model",
+    "perturb_norms",
+    "save_and_run",
+    "convert_and_run",
     "save_gpt_checkpoint",
 ]
 
@@ -91,7 +94,7 @@ def make_tiny_tokenizer(folder, vocab_size: int = 200, bos: bool = False) -> Pat
 HF_SEQ = 160  # tokens of the random sequence the HF models are run on
 
 
-def _perturb_norms(model) -> None:
+def perturb_norms(model) -> None:
     """HF inits norms to 1 (weight) / 0 (bias): randomise so the norm mapping is tested."""
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -99,7 +102,8 @@ def _perturb_norms(model) -> None:
                 p.add_(torch.randn_like(p) * 0.1)
 
 
-def _save_and_run(model, folder, vocab: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def save_and_run(model, folder, vocab: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Save an HF model to ``folder``; ``(ids [HF_SEQ], its fp32 logits [HF_SEQ, vocab])``."""
     model.save_pretrained(folder, safe_serialization=True)
     ids = torch.randint(0, vocab, (HF_SEQ,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -122,8 +126,8 @@ def make_hf_llama(folder, rope_scaling: Optional[dict]) -> Tuple[torch.Tensor, t
                       rope_scaling=rope_scaling, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).float().eval()
-    _perturb_norms(model)
-    return _save_and_run(model, folder, 256)
+    perturb_norms(model)
+    return save_and_run(model, folder, 256)
 
 
 def make_hf_nemotron(folder) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -140,55 +144,64 @@ def make_hf_nemotron(folder) -> Tuple[torch.Tensor, torch.Tensor]:
     model = NemotronForCausalLM(cfg).float().eval()
     # HF's init sets LayerNorm1P weight = 1 (gamma 2), bias 0; give the +1 and the biases
     # (final norm included) values that differ per channel.
-    _perturb_norms(model)
+    perturb_norms(model)
     assert {n for n, _ in model.named_parameters() if "norm" in n and n.endswith("bias")}
-    return _save_and_run(model, folder, 512)
+    return save_and_run(model, folder, 512)
+
+
+def convert_and_run(rank, world, hf_dir, out_dir, ids):
+    """Pool worker: convert an HF folder, load it into the reference GPTModel, and return
+    ``(logits [S, vocab] on ids, preset)``."""
+    warnings.simplefilter("ignore")
+    import parallel_state as ps
+    from tknp_megatron.executor.rope import Rope
+    from tknp_megatron.models.checkpoint import load_megatron_checkpoint
+    from tknp_megatron.models.hf_convert import convert_hf_to_dist_checkpoint
+    from tknp_megatron.models.model_config import load_model_config
+    from tknp_megatron.models.reference import build_reference_model, reference_logits
+
+    ps.initialize_model_parallel(1)
+    convert_hf_to_dist_checkpoint(hf_dir, out_dir, torch.float32)
+    preset, _ = load_model_config(f"{out_dir}/model_config.json")
+    model = build_reference_model(preset)  # fresh, uninitialised: everything from the ckpt
+    load_megatron_checkpoint(model, out_dir)
+    rope = Rope(preset, model.config, torch.device("cpu"))
+    logits = reference_logits(model, rope, ids, preset.vocab_size)
+    ps.destroy_model_parallel()
+    return logits, preset
 
 
 # ---------------------------------------------------------------- Megatron checkpoints
-def gpt_model(preset, tp: int):
-    """A real Megatron GPTModel at TP=tp (local spec, SDPA core attention shim).
-
-    Needs ``parallel_state`` initialised with that TP size.
-    """
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-
-    from tknp_megatron.models.cpu_shims import SDPACoreAttention
-    from tknp_megatron.models.model import final_norm_spec, layer_spec, padded_vocab_size
-
-    config = preset.to_transformer_config(tp, torch.float32, use_cpu_initialization=True)
-    spec = layer_spec(preset)
-    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
-    block = TransformerBlockSubmodules(
-        layer_specs=[spec] * preset.num_layers, layer_norm=final_norm_spec(preset, False)
-    )
-    return GPTModel(config, block, vocab_size=padded_vocab_size(preset, tp),
-                    max_sequence_length=preset.gpt.max_sequence_length,
-                    position_embedding_type=preset.gpt.position_embedding_type,
-                    share_embeddings_and_output_weights=False).eval()
-
-
-def save_gpt_checkpoint(preset, tp: int, ckpt_dir: str, seed: Optional[int]) -> None:
-    """Save :func:`gpt_model` at TP=tp with ``dist_checkpointing`` (``torch_dist``, CPU).
+def save_gpt_checkpoint(preset, tp: int, ckpt_dir: str, seed: Optional[int],
+                        vocab_rows: Optional[int] = None, lm_args=None) -> None:
+    """Save a Megatron ``GPTModel`` at TP=tp with ``dist_checkpointing`` (``torch_dist``, CPU).
 
     Call on every rank of a ``tp``-rank pool. ``seed``: fill the weights from the seeded
     source (:func:`~tknp_megatron.models.weights.fill_seeded_`); ``None`` when the values
-    do not matter (a fast random init).
+    do not matter (a fast random init). ``vocab_rows``: embedding rows (default Megatron's
+    padding). ``lm_args``: lay the checkpoint out as Megatron-LM's training loop does (the
+    state under ``"model"`` beside ``args`` and ``iteration`` in ``iter_0001000/``, and the
+    tracker file naming that iteration).
     """
     from megatron.core import dist_checkpointing
 
     import parallel_state as ps
     from tknp_megatron.models.cpu_shims import cpu_torch_dist_save_strategy
+    from tknp_megatron.models.reference import build_reference_model
     from tknp_megatron.models.weights import fill_seeded_
 
     ps.initialize_model_parallel(tp)
-    model = gpt_model(preset, tp)
+    model = build_reference_model(preset, vocab_size=vocab_rows, tp=tp)
     if seed is not None:
         fill_seeded_(model, preset, seed)
     else:
         for p in model.parameters():
             torch.nn.init.normal_(p, std=0.02)
-    dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir,
-                            sharded_strategy=cpu_torch_dist_save_strategy())
+    state = model.sharded_state_dict()
+    if lm_args is not None:
+        state = {"args": lm_args, "checkpoint_version": 3.0, "iteration": 1000, "model": state}
+        Path(ckpt_dir, "latest_checkpointed_iteration.txt").write_text("1000")
+        ckpt_dir = str(Path(ckpt_dir, "iter_0001000"))
+        Path(ckpt_dir).mkdir(exist_ok=True)
+    dist_checkpointing.save(state, ckpt_dir, sharded_strategy=cpu_torch_dist_save_strategy())
     ps.destroy_model_parallel()

@@ -9,33 +9,11 @@ partial RoPE). This also checks that HF's q/k rows need no permutation.
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
-from tests.helpers import make_hf_llama, make_hf_nemotron
+from tests.helpers import convert_and_run, make_hf_llama, make_hf_nemotron
 from tknp_megatron.launch import spawn
-
-
-def convert_and_run(rank, world, hf_dir, out_dir, ids):
-    warnings.simplefilter("ignore")
-    import parallel_state as ps
-    from tknp_megatron.executor.rope import Rope
-    from tknp_megatron.models.checkpoint import load_megatron_checkpoint
-    from tknp_megatron.models.model_config import load_model_config
-    from tknp_megatron.models.hf_convert import convert_hf_to_dist_checkpoint
-    from tknp_megatron.models.reference import build_reference_model, reference_logits
-
-    ps.initialize_model_parallel(1)
-    convert_hf_to_dist_checkpoint(hf_dir, out_dir, torch.float32)
-    preset, _ = load_model_config(f"{out_dir}/model_config.json")
-    model = build_reference_model(preset)  # fresh, uninitialised: everything from the ckpt
-    load_megatron_checkpoint(model, out_dir)
-    rope = Rope(preset, model.config, torch.device("cpu"))
-    logits = reference_logits(model, rope, ids, preset.vocab_size)
-    ps.destroy_model_parallel()
-    return logits, preset
 
 
 @pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0,

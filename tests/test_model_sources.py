@@ -16,6 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import (
+    convert_and_run,
+    make_hf_llama,
+    perturb_norms,
+    save_and_run,
+    save_gpt_checkpoint,
+)
 from tknp_megatron.config import get_preset
 from tknp_megatron.launch import spawn
 from tknp_megatron.models.model_config import preset_from_model_config
@@ -73,31 +80,10 @@ TINY = dict(name="tiny-odd", num_layers=4, hidden_size=64, num_attention_heads=4
 
 
 def save_worker(rank, world, config: dict, vocab_rows: int, ckpt_dir: str, lm_args=None):
-    """A seeded Megatron GPTModel at TP=world with ``vocab_rows`` embedding rows, saved
-    with ``dist_checkpointing.save`` (tied embeddings if the config says so). With
-    ``lm_args``, laid out as Megatron-LM's training loop writes it: the state under
-    ``"model"`` beside ``args`` and ``iteration`` in ``iter_0001000/``, and the tracker
-    file naming that iteration."""
+    """A seeded Megatron GPTModel at TP=world with ``vocab_rows`` embedding rows (tied
+    embeddings if the config says so), saved as a distributed checkpoint."""
     warnings.simplefilter("ignore")
-    from megatron.core import dist_checkpointing
-
-    import parallel_state as ps
-    from tknp_megatron.models.cpu_shims import cpu_torch_dist_save_strategy
-    from tknp_megatron.models.reference import build_reference_model
-    from tknp_megatron.models.weights import fill_seeded_
-
-    preset = preset_from_model_config(config)
-    ps.initialize_model_parallel(world)
-    model = build_reference_model(preset, vocab_size=vocab_rows)
-    fill_seeded_(model, preset, SEED)
-    state = model.sharded_state_dict()
-    if lm_args is not None:
-        state = {"args": lm_args, "checkpoint_version": 3.0, "iteration": 1000, "model": state}
-        Path(ckpt_dir, "latest_checkpointed_iteration.txt").write_text("1000")
-        ckpt_dir = str(Path(ckpt_dir, "iter_0001000"))
-        Path(ckpt_dir).mkdir()
-    dist_checkpointing.save(state, ckpt_dir, sharded_strategy=cpu_torch_dist_save_strategy())
-    ps.destroy_model_parallel()
+    save_gpt_checkpoint(preset_from_model_config(config), world, ckpt_dir, SEED, vocab_rows, lm_args)
 
 
 def _serve(tmp_path: Path, config: dict, vocab_rows: int, nodes: int, tp: int,
@@ -139,10 +125,8 @@ def test_conversion_keeps_the_checkpoint_dtype(tmp_path):
     """The converter writes the dtype the folder stores (here float32) unless told
     otherwise, says so, and records it in model_config.json."""
     pytest.importorskip("transformers")
-    from tests.test_hf_convert import _make_hf
-
     hf_dir, out_dir = tmp_path / "hf", tmp_path / "mcore"
-    _make_hf(hf_dir, None)
+    make_hf_llama(hf_dir, None)
     cmd = [sys.executable, "-m", "tknp_megatron.tools.convert_hf_checkpoint", "--hf", str(hf_dir),
            "--out", str(out_dir)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
@@ -156,8 +140,6 @@ def _hf_family(folder, family: str, tied: bool):
     its fp32 logits on a random sequence."""
     import transformers
 
-    from tests.test_hf_convert import _perturb_norms, _save_and_run
-
     config_cls, model_cls = {
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
         "mistral": ("MistralConfig", "MistralForCausalLM"),
@@ -170,12 +152,12 @@ def _hf_family(folder, family: str, tied: bool):
         tie_word_embeddings=tied, **extra)
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(cfg).float().eval()
-    _perturb_norms(model)
+    perturb_norms(model)
     with torch.no_grad():  # HF initialises biases to zero: make them count
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(std=0.5)
-    return _save_and_run(model, folder, 256)
+    return save_and_run(model, folder, 256)
 
 
 @pytest.mark.parametrize("family, tied", [("qwen2", True), ("qwen2", False), ("mistral", False),
@@ -184,8 +166,6 @@ def test_hf_families_match_transformers(tmp_path, family, tied):
     """Converted Qwen2 (q/k/v biases), Mistral and tied-embedding models give
     ``transformers``' own fp32 logits through Megatron's GPTModel."""
     pytest.importorskip("transformers")
-    from tests.test_hf_convert import convert_and_run
-
     hf_dir, out_dir = tmp_path / "hf", tmp_path / "mcore"
     ids, expected = _hf_family(hf_dir, family, tied)
     logits, preset = spawn(convert_and_run, 1, (str(hf_dir), str(out_dir), ids), timeout_s=120)[0]

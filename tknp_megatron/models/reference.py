@@ -38,13 +38,15 @@ def build_reference_model(
     params_dtype: torch.dtype = torch.float32,
     device=torch.device("cpu"),
     vocab_size: Optional[int] = None,
+    tp: int = 1,
 ) -> GPTModel:
-    """A full TP=1 Megatron ``GPTModel`` (uninitialised; fill or load it).
+    """A full Megatron ``GPTModel`` (uninitialised; fill or load it), TP=1 unless ``tp``
+    says otherwise (tests save checkpoints at other TP sizes with it).
 
     ``vocab_size`` overrides the padded vocabulary (a checkpoint's embedding rows).
-    Needs ``megatron.core.parallel_state`` initialised with TP = PP = 1.
+    Needs ``megatron.core.parallel_state`` initialised with TP = ``tp``, PP = 1.
     """
-    config = preset.to_transformer_config(1, params_dtype, use_cpu_initialization=True)
+    config = preset.to_transformer_config(tp, params_dtype, use_cpu_initialization=True)
     spec = layer_spec(preset)
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     block = TransformerBlockSubmodules(
@@ -53,7 +55,7 @@ def build_reference_model(
     model = GPTModel(
         config,
         block,
-        vocab_size=vocab_size or padded_vocab_size(preset, 1),
+        vocab_size=vocab_size or padded_vocab_size(preset, tp),
         max_sequence_length=preset.gpt.max_sequence_length,
         position_embedding_type=preset.gpt.position_embedding_type,
         rotary_percent=preset.gpt.rotary_percent,
