@@ -120,8 +120,8 @@ class StepPlan:
 
     ``per_request`` holds the ``[R]`` per-request tensors (batch order). ``tokens`` is
     ``[rows]``, rows = sum(per_request.q_lens). ``prev_token_index`` is None when every
-    input token is in ``tokens``; otherwise ``[rows]``: the index into the previous step's sampled
-    tokens (batch order) of the row's input token, or -1 to take ``tokens``' entry.
+    input token is in ``tokens``; otherwise ``[rows]``: the index into the previous step's
+    sampled tokens (batch order) of the row's input token, or -1 to take ``tokens``' entry.
     ``requests_per_owner`` / ``rows_per_owner`` are per node.
 
     With dual-active-root microbatching, ``microbatches`` holds one plan per microbatch
