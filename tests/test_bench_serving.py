@@ -37,8 +37,7 @@ def test_all_modes_one_invocation(tmp_path):
 
 def test_pending_tokens_skip_the_cached_prompt():
     """A decode step feeds only uncached tokens, without rebuilding prompt + generated."""
-    from tknp_megatron.analysis.metrics import RequestTimeline
-    from tknp_megatron.engine.request import Request
+    from tknp_megatron.engine.request import Request, RequestTimeline
     from tknp_megatron.sampling import SamplingParams
 
     req = Request(0, list(range(32768)), SamplingParams(max_new_tokens=8), RequestTimeline(0.0))

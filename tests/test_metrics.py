@@ -6,13 +6,8 @@ import random
 
 import pytest
 
-from tknp_megatron.analysis.metrics import (
-    RequestStatus,
-    RequestTimeline,
-    ServingMetrics,
-    percentile,
-    summarize,
-)
+from tknp_megatron.analysis.metrics import ServingMetrics, percentile, summarize
+from tknp_megatron.engine.request import RequestStatus, RequestTimeline
 
 approx = pytest.approx
 

@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tknp_megatron.analysis.metrics import RequestTimeline
-from tknp_megatron.engine.request import Request
+from tknp_megatron.engine.request import Request, RequestTimeline
 from tknp_megatron.engine.scheduler import LoadPolicy, Scheduler, SchedulerConfig
 from tknp_megatron.kv_cache import BlockAllocator
 from tknp_megatron.sampling import SamplingParams

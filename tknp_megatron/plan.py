@@ -1,25 +1,26 @@
 """The step plan: what every rank needs to run one step, broadcast once per step.
 
 Requests are in batch order, grouped by owner node (node 0's first), so each owner's rows
-are one contiguous slice and the root's gather is a concatenation in batch order.
+are one contiguous slice and the root's gather is a concatenation in batch order. A plan's
+per-request tensors are one record, :class:`RequestColumns`.
 
-Plans are built one step ahead (overlapped scheduling, as in vLLM's async scheduler;
-DESIGN section 7 books every step before planning the next): while step n runs on the
-GPUs the coordinator plans step n + 1 before it has read step n's tokens.
-A request whose step-n token is still in flight is fed that token on the device:
-``prev_token_index`` points at its row of step n's output, which every rank holds.
+Plans are built one step ahead (overlapped scheduling, as in vLLM's async scheduler):
+while step n runs on the GPUs the coordinator plans step n + 1 before it has read step
+n's tokens. A request whose step-n token is still in flight is fed that token on the
+device: ``prev_token_index`` points at its row of step n's output, which every rank holds.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Optional, Sequence, Tuple
 
 import torch
 
 from tknp_megatron.engine.request import Request
+from tknp_megatron.sampling import SamplingTensors
 
-__all__ = ["Admission", "StepPlan", "build_plan", "STOP_PLAN"]
+__all__ = ["Admission", "RequestColumns", "StepPlan", "build_plan", "take_rows"]
 
 
 @dataclass(frozen=True)
@@ -43,17 +44,84 @@ class Admission:
     synthetic_seed: Optional[int] = None
 
 
+def _column(dtype: torch.dtype, pad, sampling: Optional[str] = None):
+    """A per-request column: its dtype, its value for a padding (dummy) request, and the
+    :class:`~tknp_megatron.sampling.SamplingTensors` field it feeds (None: none)."""
+    return field(metadata={"dtype": dtype, "pad": pad, "sampling": sampling})
+
+
+@dataclass(frozen=True, eq=False)
+class RequestColumns:
+    """A step's per-request ``[R]`` tensors, in batch order: the one list of them.
+
+    Concatenating microbatches (:meth:`cat`), padding to a graph bucket (:meth:`take`),
+    the sampling tensors (:meth:`sampling`) and with them the device copy all follow these
+    fields, so a new per-request field is a line here plus its value in :func:`build_plan`.
+    """
+
+    request_ids: torch.Tensor = _column(torch.int64, -1, "request_ids")
+    """The requests' ids; -1 marks a padding request."""
+    slots: torch.Tensor = _column(torch.int64, 0)
+    """Each request's block-table row on its owner."""
+    q_lens: torch.Tensor = _column(torch.int64, 1)
+    """Tokens fed this step: prompt length for prefill, 1 for decode."""
+    start_pos: torch.Tensor = _column(torch.int64, 0)
+    """Tokens already cached."""
+    temperature: torch.Tensor = _column(torch.float32, 0.0, "temperature")
+    top_k: torch.Tensor = _column(torch.int64, 0, "top_k")
+    top_p: torch.Tensor = _column(torch.float32, 1.0, "top_p")
+    seeds: torch.Tensor = _column(torch.int64, 0, "seeds")
+    sample_steps: torch.Tensor = _column(torch.int64, 0, "steps")
+    """Index of the token being generated (0 for the first)."""
+
+    @classmethod
+    def of(cls, **values: Sequence) -> "RequestColumns":
+        """Columns from one sequence (or iterable) per field, each in its declared dtype."""
+        return cls(**{
+            f.name: torch.tensor(list(values[f.name]), dtype=f.metadata["dtype"]) for f in _FIELDS
+        })
+
+    @classmethod
+    def empty(cls) -> "RequestColumns":
+        return cls.of(**{f.name: () for f in _FIELDS})
+
+    @classmethod
+    def cat(cls, parts: Sequence["RequestColumns"]) -> "RequestColumns":
+        """``parts`` back to back."""
+        return cls(**{f.name: torch.cat([getattr(p, f.name) for p in parts]) for f in _FIELDS})
+
+    def take(self, index: torch.Tensor, **pads) -> "RequestColumns":
+        """Requests ``index`` ``[R']``; -1 is a padding request, whose value in each column
+        is the column's pad value or ``pads[name]``."""
+        return RequestColumns(**{
+            f.name: take_rows(getattr(self, f.name), index, pads.get(f.name, f.metadata["pad"]))
+            for f in _FIELDS
+        })
+
+    def sampling(self) -> SamplingTensors:
+        """The ``[R]`` sampling tensors of :func:`~tknp_megatron.sampling.sample` (host)."""
+        return SamplingTensors(*[getattr(self, name) for name in _SAMPLING_SOURCES])
+
+
+_FIELDS = fields(RequestColumns)
+_SAMPLING_SOURCES = tuple(  # the column behind each SamplingTensors field, in its order
+    {f.metadata["sampling"]: f.name for f in _FIELDS}[name] for name in SamplingTensors._fields
+)
+
+
+def take_rows(values: torch.Tensor, index: torch.Tensor, pad) -> torch.Tensor:
+    """``values[index]``, where index -1 gives ``pad``."""
+    return torch.cat((values, values.new_full((1,), pad)))[index]
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """One step for the whole pool.
 
-    Per request (``[R]``, batch order): ``request_ids``, ``slots``, ``q_lens`` (tokens fed
-    this step: prompt length for prefill, 1 for decode), ``start_pos`` (tokens already
-    cached), and the sampling tensors ``temperature``, ``top_k``, ``top_p``, ``seeds``,
-    ``sample_steps`` (index of the token being generated). ``tokens`` is ``[rows]`` with
-    rows = sum(q_lens). ``prev_token_index`` is None when every input token is in
-    ``tokens``; otherwise ``[rows]``: the index into the previous step's sampled tokens
-    (batch order) of the row's input token, or -1 to take ``tokens``' entry.
+    ``per_request`` holds the ``[R]`` per-request tensors (batch order). ``tokens`` is
+    ``[rows]``, rows = sum(per_request.q_lens). ``prev_token_index`` is None when every
+    input token is in ``tokens``; otherwise ``[rows]``: the index into the previous step's
+    sampled tokens (batch order) of the row's input token, or -1 to take ``tokens``' entry.
     ``requests_per_owner`` / ``rows_per_owner`` are per node.
 
     With dual-active-root microbatching, ``microbatches`` holds one plan per microbatch
@@ -64,16 +132,8 @@ class StepPlan:
 
     step: int
     admissions: Tuple[Admission, ...]
-    request_ids: torch.Tensor
-    slots: torch.Tensor
-    q_lens: torch.Tensor
-    start_pos: torch.Tensor
+    per_request: RequestColumns
     tokens: torch.Tensor
-    temperature: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-    seeds: torch.Tensor
-    sample_steps: torch.Tensor
     requests_per_owner: Tuple[int, ...]
     rows_per_owner: Tuple[int, ...]
     record_logits: bool = False
@@ -81,9 +141,19 @@ class StepPlan:
     prev_token_index: Optional[torch.Tensor] = None
     microbatches: Tuple["StepPlan", ...] = ()
 
+    @classmethod
+    def stop_plan(cls, num_nodes: int) -> "StepPlan":
+        """The plan that tells every rank to leave its serve loop."""
+        none = (0,) * num_nodes
+        return cls(
+            step=-1, admissions=(), per_request=RequestColumns.empty(),
+            tokens=torch.zeros(0, dtype=torch.int64), requests_per_owner=none,
+            rows_per_owner=none, stop=True,
+        )
+
     @property
     def num_requests(self) -> int:
-        return int(self.request_ids.numel())
+        return int(self.per_request.request_ids.numel())
 
     @property
     def num_rows(self) -> int:
@@ -91,28 +161,11 @@ class StepPlan:
 
     @property
     def max_query_len(self) -> int:
-        return int(self.q_lens.max()) if self.num_requests else 0
+        return int(self.per_request.q_lens.max()) if self.num_requests else 0
 
     def request_range(self, node: int) -> Tuple[int, int]:
         lo = sum(self.requests_per_owner[:node])
         return lo, lo + self.requests_per_owner[node]
-
-    def row_range(self, node: int) -> Tuple[int, int]:
-        lo = sum(self.rows_per_owner[:node])
-        return lo, lo + self.rows_per_owner[node]
-
-
-def _empty_plan(step: int, num_nodes: int, stop: bool) -> StepPlan:
-    z = torch.zeros(0, dtype=torch.int64)
-    return StepPlan(
-        step, (), z, z, z, z, z, z.float(), z, z.float(), z, z,
-        (0,) * num_nodes, (0,) * num_nodes, stop=stop,
-    )
-
-
-def STOP_PLAN(num_nodes: int) -> StepPlan:
-    """The plan that tells every rank to leave its serve loop."""
-    return _empty_plan(-1, num_nodes, stop=True)
 
 
 def build_plan(
@@ -140,20 +193,15 @@ def build_plan(
     return _concat(parts, admissions)
 
 
-_CONCAT = (
-    "request_ids", "slots", "q_lens", "start_pos", "tokens", "temperature", "top_k", "top_p",
-    "seeds", "sample_steps",
-)
-
-
 def _concat(parts: Tuple[StepPlan, ...], admissions: Sequence[Admission]) -> StepPlan:
     """One plan holding ``parts`` back to back (the engine books it; executors run parts)."""
-    cat = {f: torch.cat([getattr(p, f) for p in parts]) for f in _CONCAT}
     prev = None
     if parts[0].prev_token_index is not None:
         prev = torch.cat([p.prev_token_index for p in parts])
     return StepPlan(
-        step=parts[0].step, admissions=tuple(admissions), **cat,
+        step=parts[0].step, admissions=tuple(admissions),
+        per_request=RequestColumns.cat([p.per_request for p in parts]),
+        tokens=torch.cat([p.tokens for p in parts]),
         requests_per_owner=tuple(map(sum, zip(*(p.requests_per_owner for p in parts)))),
         rows_per_owner=tuple(map(sum, zip(*(p.rows_per_owner for p in parts)))),
         record_logits=parts[0].record_logits, prev_token_index=prev, microbatches=parts,
@@ -168,32 +216,37 @@ def _plan(step, batch, admissions, num_nodes: int, record_logits: bool, feed_pre
     for r, toks in zip(batch, pending):
         per_owner[r.owner] += 1
         rows_owner[r.owner] += len(toks)
-    longs = lambda xs: torch.tensor(list(xs), dtype=torch.int64)  # noqa: E731
-    floats = lambda xs: torch.tensor(list(xs), dtype=torch.float32)  # noqa: E731
     prev = None
     if feed_prev:
-        prev = longs(
+        prev = _longs(
             i for r, toks in zip(batch, pending)
             for i in ((r.inflight_index,) if r.inflight_rows else (-1,) * len(toks))
         )
+    per_request = RequestColumns.of(
+        request_ids=(r.request_id for r in batch),
+        slots=(r.slot for r in batch),
+        q_lens=(len(t) for t in pending),
+        start_pos=(r.num_cached + r.inflight_rows for r in batch),
+        temperature=(r.params.temperature for r in batch),
+        top_k=(r.params.top_k for r in batch),
+        top_p=(r.params.top_p for r in batch),
+        seeds=(r.params.seed for r in batch),
+        sample_steps=(len(r.generated) + (r.inflight_rows > 0) for r in batch),
+    )
     return StepPlan(
         step=step,
         admissions=tuple(admissions),
-        request_ids=longs(r.request_id for r in batch),
-        slots=longs(r.slot for r in batch),
-        q_lens=longs(len(t) for t in pending),
-        start_pos=longs(r.num_cached + r.inflight_rows for r in batch),
-        tokens=longs(t for toks in pending for t in toks),
-        temperature=floats(r.params.temperature for r in batch),
-        top_k=longs(r.params.top_k for r in batch),
-        top_p=floats(r.params.top_p for r in batch),
-        seeds=longs(r.params.seed for r in batch),
-        sample_steps=longs(len(r.generated) + (r.inflight_rows > 0) for r in batch),
+        per_request=per_request,
+        tokens=_longs(t for toks in pending for t in toks),
         requests_per_owner=tuple(per_owner),
         rows_per_owner=tuple(rows_owner),
         record_logits=record_logits,
         prev_token_index=prev,
     )
+
+
+def _longs(xs) -> torch.Tensor:
+    return torch.tensor(list(xs), dtype=torch.int64)
 
 
 _PREV = (0,)  # placeholder host token of a row fed from the previous step's output

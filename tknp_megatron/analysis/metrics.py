@@ -1,7 +1,8 @@
-"""Per-request timelines and the serving metrics derived from them (DESIGN section 8).
+"""The serving metrics derived from per-request timelines.
 
-The scheduler fills one :class:`RequestTimeline` per request (times in seconds on one
-clock); :func:`summarize` turns them into a frozen :class:`ServingMetrics`.
+Each request's :class:`~tknp_megatron.engine.request.RequestTimeline` is stamped as it
+moves through its life (times in seconds on one clock); :func:`summarize` turns them into
+a frozen :class:`ServingMetrics`.
 
 Conventions: percentiles interpolate linearly between order statistics (numpy's
 default ``"linear"`` method); the mean or a percentile of an empty set is NaN;
@@ -12,72 +13,15 @@ becomes ``None`` in :meth:`ServingMetrics.as_dict`, so the dict is strict JSON.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
-__all__ = ["RequestStatus", "RequestTimeline", "ServingMetrics", "percentile", "summarize"]
+from tknp_megatron.engine.request import RequestStatus, RequestTimeline
+
+__all__ = ["ServingMetrics", "percentile", "summarize"]
 
 DEFAULT_SLO_S_PER_TOKEN = 0.1
-
-
-class RequestStatus(str, enum.Enum):
-    """Where a request is in its life."""
-
-    WAITING = "waiting"
-    RUNNING = "running"
-    COMPLETED = "completed"
-    REJECTED = "rejected"
-
-
-@dataclass
-class RequestTimeline:
-    """What happened to one request, in seconds on the scheduler's clock."""
-
-    release: float
-    """When the request arrived (became eligible for scheduling)."""
-    first_scheduled: Optional[float] = None
-    """When it was first placed on a node (admitted to a batch)."""
-    first_token: Optional[float] = None
-    """When its first generated token was available."""
-    token_times: list[float] = field(default_factory=list)
-    """When each generated token was available, the first included."""
-    completion: Optional[float] = None
-    """When it finished (last token or EOS)."""
-    output_tokens: int = 0
-    """Generated tokens so far."""
-    status: RequestStatus = RequestStatus.WAITING
-    reject_reason: Optional[str] = None
-    """Why it was rejected (``status == REJECTED``), e.g. an invalid max_new_tokens."""
-
-    def mark_scheduled(self, now: float) -> None:
-        """Record admission; later calls (re-batching) keep the first time."""
-        if self.first_scheduled is None:
-            self.first_scheduled = now
-        self.status = RequestStatus.RUNNING
-
-    def record_token(self, now: float) -> None:
-        """Record one generated token; ``output_tokens`` follows ``len(token_times)``."""
-        if self.first_token is None:
-            self.first_token = now
-        self.token_times.append(now)
-        self.output_tokens = len(self.token_times)
-
-    def complete(self, now: float) -> None:
-        """Mark the request finished at ``now``."""
-        self.completion = now
-        self.status = RequestStatus.COMPLETED
-
-    def reject(self, reason: str) -> None:
-        """Mark the request rejected, never to be scheduled."""
-        self.status = RequestStatus.REJECTED
-        self.reject_reason = reason
-
-    def inter_token_latencies(self) -> list[float]:
-        """Gaps between consecutive tokens, after the first: ``len(token_times) - 1`` values."""
-        t = self.token_times
-        return [b - a for a, b in zip(t, t[1:])]
 
 
 @dataclass(frozen=True)

@@ -66,11 +66,6 @@ class AttentionMetadata:
         """R, the number of requests (host int)."""
         return self.seq_lens.shape[0]
 
-    @property
-    def is_decode(self) -> bool:
-        """True when every request has at most one query row."""
-        return self.max_query_len <= 1
-
     @classmethod
     def from_lengths(
         cls,

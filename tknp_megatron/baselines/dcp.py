@@ -46,7 +46,7 @@ from tknp_megatron.engine.engine import TKNPInferenceEngine
 from tknp_megatron.engine.kv_budget import budget_blocks, pool_block_counts
 from tknp_megatron.executor.dense import finish_layer, qkv_projection, vocab_logits
 from tknp_megatron.executor.rope import Rope
-from tknp_megatron.executor.step_inputs import StepShape, plan_sampling, step_tokens
+from tknp_megatron.executor.step_inputs import StepShape, plan_sampling, row_layout, step_tokens
 from tknp_megatron.executor.synthetic import synthetic_kv
 from tknp_megatron.executor.tknp import StepOutput, draw_tokens
 from tknp_megatron.host_to_device import to_device
@@ -145,17 +145,15 @@ def prepare_dcp_inputs(plan: StepPlan, dcp: DCPGroups, kv: PagedKVCache, rope: R
     copy per dtype to the device; a decode step's kernel metadata is built here, once."""
     d, j = dcp.degree, dcp.shard
     n_req, rows = plan.num_requests, plan.num_rows
-    cu = torch.zeros(n_req + 1, dtype=torch.int64)
-    torch.cumsum(plan.q_lens, 0, out=cu[1:])
-    row_req = torch.repeat_interleave(torch.arange(n_req), plan.q_lens, output_size=rows)
-    positions = plan.start_pos[row_req] + torch.arange(rows) - cu[row_req]
+    cols = plan.per_request
+    cu, row_req, positions = row_layout(cols.q_lens, cols.start_pos, rows)
     own = torch.nonzero(positions % d == j).flatten()
-    seq_lens = plan.start_pos + plan.q_lens
+    seq_lens = cols.start_pos + cols.q_lens
     local_lens = torch.clamp(seq_lens - j + d - 1, min=0) // d
     max_local = int(local_lens.max()) if n_req else 0
     decode = n_req > 0 and rows == n_req and plan.max_query_len == 1
     slots, own_req, own_pos, row_req, positions, local_lens, own, last_rows = to_device(
-        (plan.slots, row_req[own], positions[own] // d, row_req, positions, local_lens, own, cu[1:] - 1),
+        (cols.slots, row_req[own], positions[own] // d, row_req, positions, local_lens, own, cu[1:] - 1),
         device,
     )
     attn = ShardMetadata(
@@ -164,7 +162,7 @@ def prepare_dcp_inputs(plan: StepPlan, dcp: DCPGroups, kv: PagedKVCache, rope: R
     )
     if decode:
         attn = dataclasses.replace(attn, kernel=decode_metadata(attn))
-    shape = StepShape((rows,), (n_req,), bool((plan.temperature == 0).all()))
+    shape = StepShape((rows,), (n_req,), bool((cols.temperature == 0).all()))
     return DCPStepInputs(
         shape=shape, tokens=step_tokens(plan, device, last_tokens), freqs=rope.freqs(positions),
         own_rows=own, write_slots=kv.slot_mapping(slots[own_req], own_pos), attn=attn,

@@ -29,7 +29,7 @@ from tknp_megatron.executor.step_inputs import prepare_inputs
 from tknp_megatron.executor.synthetic import synthetic_kv
 from tknp_megatron.executor.tknp import StepOutput, draw_tokens
 from tknp_megatron.kv_cache import PagedKVCache
-from tknp_megatron.plan import STOP_PLAN, StepPlan, build_plan
+from tknp_megatron.plan import StepPlan, build_plan
 
 __all__ = ["PPExecutor", "PPInferenceEngine"]
 
@@ -181,7 +181,7 @@ class PPInferenceEngine(TKNPInferenceEngine):
                 if plan is not None:
                     self._tick(plan)
                     inflight[m] = plan if plan.num_requests else None
-        self._tick(STOP_PLAN(1))
+        self._tick(StepPlan.stop_plan(1))
         self.executor.flush()
 
     def _plan_for(self, m: int) -> Optional[StepPlan]:

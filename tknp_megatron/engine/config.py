@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from tknp_megatron.analysis.metrics import RequestStatus
+from tknp_megatron.engine.request import RequestStatus
 from tknp_megatron.engine.scheduler import LoadPolicy
 
 __all__ = ["EngineConfig", "GenerationResult"]

@@ -6,11 +6,11 @@ queue and the scheduler; each :meth:`step` it admits what fits, builds a
 group), and queues its own part of the step on the GPU; the other ranks run the same
 plan from :meth:`serve` (or from :meth:`step`, in lockstep).
 
-Scheduling overlaps the GPU (a departure from DESIGN section 7, step 6): a step's tokens are read back and booked
-only after the next step has been queued, so the host plans step n + 1 while step n
-runs. Requests fed in step n + 1 take their step-n token on the device. A request that
-ends with its end-of-sequence token at step n is already in step n + 1; that step's row
-for it is discarded (its KV write lands in its own, just-freed blocks, before any later
+Scheduling overlaps the GPU: a step's tokens are read back and booked only after the
+next step has been queued, so the host plans step n + 1 while step n runs. Requests fed
+in step n + 1 take their step-n token on the device. A request that ends with its
+end-of-sequence token at step n is already in step n + 1; that step's row for it is
+discarded (its KV write lands in its own, just-freed blocks, before any later
 admission's writes in stream order).
 Names follow Megatron-Core's inference engines where they overlap (``add_request``,
 ``step``, ``generate``, ``has_unfinished_requests``).
@@ -25,19 +25,13 @@ import torch
 import torch.distributed as dist
 
 from parallel_state import TokenParallelGroups
-from tknp_megatron.analysis.metrics import (
-    RequestStatus,
-    RequestTimeline,
-    ServingMetrics,
-    summarize,
-)
+from tknp_megatron.analysis.metrics import ServingMetrics, summarize
 from tknp_megatron.attention import get_backend
 from tknp_megatron.config import ModelPreset
-from tknp_megatron.engine.booking import book_step, kv_tokens_per_node, mark_in_flight
 from tknp_megatron.engine.config import EngineConfig, GenerationResult
 from tknp_megatron.engine.intake import Arrival, ArrivalQueue, request_problem
 from tknp_megatron.engine.kv_budget import kv_cache_spec, pool_block_counts
-from tknp_megatron.engine.request import Request
+from tknp_megatron.engine.request import Request, RequestTimeline
 from tknp_megatron.engine.scheduler import Scheduler, SchedulerConfig
 from tknp_megatron.executor.rope import Rope
 from tknp_megatron.executor.tknp import StepOutput, TKNPExecutor
@@ -45,7 +39,7 @@ from tknp_megatron.host_to_device import HostCopy
 from tknp_megatron.kv_cache import BlockAllocator, PagedKVCache
 from tknp_megatron.models.model import StageModel
 from tknp_megatron.placement import Placement
-from tknp_megatron.plan import STOP_PLAN, StepPlan, build_plan
+from tknp_megatron.plan import StepPlan, build_plan
 from tknp_megatron.profiler import LoopTiming
 from tknp_megatron.sampling import SamplingParams
 
@@ -148,8 +142,7 @@ class TKNPInferenceEngine:
         self.requests[rid] = req
         reason = self._problem(req)
         if reason is not None:
-            timeline.status = RequestStatus.REJECTED
-            timeline.reject_reason = reason
+            req.reject(reason)
         else:
             self.scheduler.enqueue(req)
         return rid
@@ -212,7 +205,7 @@ class TKNPInferenceEngine:
         finished = self._book_keep(*self._inflight) if self._inflight else []
         self._inflight = queued
         if queued is not None:
-            mark_in_flight(queued[0], self.requests)
+            self.scheduler.mark_in_flight(queued[0])
         timing = self.loop_timing
         timing.steps += 1
         timing.host_s += time.perf_counter() - start - (timing.wait_s - waited)
@@ -249,7 +242,7 @@ class TKNPInferenceEngine:
     def shutdown(self) -> None:
         """Coordinator: release the other ranks from :meth:`serve`."""
         self._require_coordinator("shutdown")
-        self._broadcast([STOP_PLAN(self.groups.num_nodes)])
+        self._broadcast([StepPlan.stop_plan(self.groups.num_nodes)])
 
     def _book_keep(self, plan: StepPlan, out: StepOutput, copy: Optional[HostCopy] = None) -> List[int]:
         """Read a step's tokens (the coordinator's one wait per step: for this step only,
@@ -258,8 +251,8 @@ class TKNPInferenceEngine:
         tokens = (copy or HostCopy(out.tokens)).result().tolist()
         self.loop_timing.wait_s += time.perf_counter() - start
         self.resident_log.append(self.scheduler.num_running())
-        finished = book_step(plan, tokens, out.logits, self.requests, self.scheduler, self.clock())
-        used = kv_tokens_per_node(plan, len(self.block_counts))
+        finished = self.scheduler.postprocess(plan, tokens, out.logits, self.clock())
+        used = self.scheduler.kv_tokens_per_node(plan)
         self.peak_kv_tokens = [max(p, u) for p, u in zip(self.peak_kv_tokens, used)]
         return finished
 

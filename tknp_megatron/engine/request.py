@@ -1,16 +1,81 @@
-"""One request as the coordinator tracks it: tokens, ownership, blocks and timeline."""
+"""One request's whole life: its tokens, ownership, blocks, status and timeline.
+
+A request is created waiting (or rejected at once, :meth:`Request.reject`); the scheduler
+admits it to an owner (:meth:`Request.admit`), books one generated token per step it ran
+in (:meth:`Request.book_token`) and completes it (:meth:`Request.complete`) once
+:meth:`Request.finished`. Each transition stamps the request's :class:`RequestTimeline`,
+from which :mod:`tknp_megatron.analysis.metrics` derives the serving metrics.
+"""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import List, Optional
 
 import torch
 
-from tknp_megatron.analysis.metrics import RequestStatus, RequestTimeline
 from tknp_megatron.sampling import SamplingParams
 
-__all__ = ["Request"]
+__all__ = ["Request", "RequestStatus", "RequestTimeline"]
+
+
+class RequestStatus(str, enum.Enum):
+    """Where a request is in its life."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    REJECTED = "rejected"
+
+
+@dataclass(slots=True)
+class RequestTimeline:
+    """What happened to one request, in seconds on the engine's clock."""
+
+    release: float
+    """When the request arrived (became eligible for scheduling)."""
+    first_scheduled: Optional[float] = None
+    """When it was first placed on a node (admitted to a batch)."""
+    first_token: Optional[float] = None
+    """When its first generated token was available."""
+    token_times: list[float] = field(default_factory=list)
+    """When each generated token was available, the first included."""
+    completion: Optional[float] = None
+    """When it finished (last token or EOS)."""
+    output_tokens: int = 0
+    """Generated tokens so far."""
+    status: RequestStatus = RequestStatus.WAITING
+    reject_reason: Optional[str] = None
+    """Why it was rejected (``status == REJECTED``), e.g. an invalid max_new_tokens."""
+
+    def mark_scheduled(self, now: float) -> None:
+        """Record admission; later calls (re-batching) keep the first time."""
+        if self.first_scheduled is None:
+            self.first_scheduled = now
+        self.status = RequestStatus.RUNNING
+
+    def record_token(self, now: float) -> None:
+        """Record one generated token; ``output_tokens`` follows ``len(token_times)``."""
+        if self.first_token is None:
+            self.first_token = now
+        self.token_times.append(now)
+        self.output_tokens = len(self.token_times)
+
+    def complete(self, now: float) -> None:
+        """Mark the request finished at ``now``."""
+        self.completion = now
+        self.status = RequestStatus.COMPLETED
+
+    def reject(self, reason: str) -> None:
+        """Mark the request rejected, never to be scheduled."""
+        self.status = RequestStatus.REJECTED
+        self.reject_reason = reason
+
+    def inter_token_latencies(self) -> list[float]:
+        """Gaps between consecutive tokens, after the first: ``len(token_times) - 1`` values."""
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
 
 
 @dataclass(eq=False)
@@ -21,7 +86,7 @@ class Request:
         request_id: engine-assigned id (submission order).
         prompt: prompt token ids.
         params: sampling parameters.
-        timeline: timestamps and final status (see :mod:`tknp_megatron.analysis.metrics`).
+        timeline: timestamps and status (:class:`RequestTimeline`).
         kv: optional KV computed elsewhere for ``prompt[:-1]``,
             ``[layers, 2, len(prompt) - 1, num_kv_heads, head_dim]`` (disaggregated prefill).
         synthetic_kv: KV for ``prompt[:-1]`` is generated on the owner from this seed
@@ -67,6 +132,34 @@ class Request:
     def ingested(self) -> bool:
         return self.kv is not None or self.synthetic_kv is not None
 
+    # ---------------------------------------------------------------- transitions
+    def reject(self, reason: str) -> None:
+        """Never to be scheduled, because of ``reason`` (naming the request and the limit)."""
+        self.timeline.reject(reason)
+
+    def admit(self, owner: int, slot: int, blocks: List[int], now: float) -> None:
+        """Placed on ``owner`` in block-table row ``slot`` with ``blocks`` reserved; KV that
+        arrives from outside (``prompt[:-1]``) counts as cached from now on."""
+        self.owner, self.slot, self.blocks = owner, slot, blocks
+        self.num_cached = len(self.prompt) - 1 if self.ingested else 0
+        self.timeline.mark_scheduled(now)
+
+    def book_token(self, token: int, rows: int, now: float,
+                   logits: Optional[torch.Tensor] = None) -> None:
+        """A step's result: its ``rows`` fed tokens are cached and ``token`` was generated
+        (``logits`` ``[vocab]``, if recorded, are kept on the host)."""
+        self.inflight_rows = 0
+        self.num_cached += rows
+        self.generated.append(token)
+        if logits is not None:
+            self.logits.append(logits.cpu())
+        self.timeline.record_token(now)
+
+    def complete(self, now: float) -> None:
+        """Done (:meth:`finished`); the scheduler releases its blocks."""
+        self.timeline.complete(now)
+
+    # ---------------------------------------------------------------- queries
     def pending_tokens(self) -> List[int]:
         """Tokens to feed this step: every token whose KV is not cached yet.
 

@@ -1,4 +1,4 @@
-"""Capacity-aware continuous batching (paper 4.2, DESIGN section 8).
+"""Capacity-aware continuous batching (paper 4.2), and the books of each step's tokens.
 
 A waiting request goes, in arrival order, to the eligible node with the lowest KV load;
 eligible means the node has a free request slot and free blocks for prompt + max new
@@ -6,6 +6,11 @@ tokens on all its TP ranks (every rank of a node has the same block count: the n
 minimum). If the head of the queue fits nowhere it waits, and so does everyone behind it
 (FCFS): admissions then come in waves as running requests complete and free their
 blocks. Ownership is fixed until completion.
+
+:meth:`Scheduler.postprocess` books a finished step: each request's sampled token, and
+the end of those that are done. A step is booked after the next one is queued (see
+:mod:`tknp_megatron.engine.engine`), so a request that ended on EOS may still have a row
+in the step being booked: that row is dropped.
 """
 
 from __future__ import annotations
@@ -13,11 +18,13 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Deque, List, Sequence, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
+
+import torch
 
 from tknp_megatron.engine.request import Request
 from tknp_megatron.kv_cache import BlockAllocator
-from tknp_megatron.plan import Admission
+from tknp_megatron.plan import Admission, StepPlan
 
 __all__ = ["LoadPolicy", "SchedulerConfig", "ScheduleResult", "Scheduler"]
 
@@ -60,7 +67,8 @@ class ScheduleResult:
 
 
 class Scheduler:
-    """Owns the waiting queue, the running set and one block allocator per node."""
+    """Owns the waiting queue, the running set and one block allocator per node, and
+    books what each step produced."""
 
     def __init__(
         self,
@@ -72,6 +80,7 @@ class Scheduler:
         self.allocators = list(allocators)
         self.clock = clock
         self.waiting: Deque[Request] = deque()
+        self._live: Dict[int, Request] = {}  # waiting or running, by id
         self.running: List[List[Request]] = [[] for _ in self.allocators]
         self._free_slots = [
             deque(range(config.max_requests_per_node)) for _ in self.allocators
@@ -89,6 +98,7 @@ class Scheduler:
 
     def enqueue(self, request: Request) -> None:
         self.waiting.append(request)
+        self._live[request.request_id] = request
 
     def has_work(self) -> bool:
         return bool(self.waiting) or any(self.running)
@@ -112,19 +122,16 @@ class Scheduler:
         ]
 
     def _admit(self, request: Request, node: int) -> Admission:
-        request.owner = node
-        request.slot = self._free_slots[node].popleft()
-        request.blocks = self.allocators[node].allocate(request.reserved_tokens)
-        request.timeline.first_scheduled = self.clock()
+        slot = self._free_slots[node].popleft()
+        blocks = self.allocators[node].allocate(request.reserved_tokens)
+        request.admit(node, slot, blocks, self.clock())
         self.running[node].append(request)
-        ingest = len(request.prompt) - 1 if request.ingested else 0
-        request.num_cached = ingest
         return Admission(
             request.request_id,
             node,
-            request.slot,
-            tuple(request.blocks),
-            ingest_len=ingest,
+            slot,
+            tuple(blocks),
+            ingest_len=request.num_cached,  # KV arriving from outside
             synthetic_seed=request.synthetic_kv,
         )
 
@@ -161,6 +168,46 @@ class Scheduler:
         self.allocators[node].free(request.blocks)
         self._free_slots[node].append(request.slot)
         request.blocks = []
+        self._live.pop(request.request_id, None)
+
+    # ---------------------------------------------------------------- books
+    def mark_in_flight(self, plan: StepPlan) -> None:
+        """Record, per request of a queued step, its rows and its index in the step's tokens."""
+        live = self._live
+        cols = plan.per_request
+        for i, (rid, rows) in enumerate(zip(cols.request_ids.tolist(), cols.q_lens.tolist())):
+            req = live.get(rid)
+            if req is not None:
+                req.inflight_rows, req.inflight_index = rows, i
+
+    def postprocess(self, plan: StepPlan, tokens: Sequence[int],
+                    logits: Optional[torch.Tensor], now: float) -> List[int]:
+        """Book a finished step: each request's sampled token (``tokens`` ``[R]`` in plan
+        order; ``logits`` ``[R, vocab]`` if recorded), and complete and release those that
+        are done. Returns the ids that finished."""
+        finished, live = [], self._live
+        cols = plan.per_request
+        for i, (rid, rows) in enumerate(zip(cols.request_ids.tolist(), cols.q_lens.tolist())):
+            req = live.get(rid)
+            if req is None:  # ended by EOS one step earlier
+                continue
+            req.book_token(tokens[i], rows, now, None if logits is None else logits[i])
+            if req.finished():
+                req.complete(now)
+                self.finish(req)
+                finished.append(rid)
+        return finished
+
+    def kv_tokens_per_node(self, plan: StepPlan) -> List[int]:
+        """KV tokens each node holds for the step's requests (this step's included)."""
+        used = [0] * self.num_nodes
+        for part in plan.microbatches or (plan,):
+            cols = part.per_request
+            cached = (cols.start_pos + cols.q_lens).tolist()
+            for node in range(self.num_nodes):
+                lo, hi = part.request_range(node)
+                used[node] += sum(cached[lo:hi])
+        return used
 
     def kv_utilization(self) -> List[float]:
         """Per node: fraction of KV tokens currently cached."""

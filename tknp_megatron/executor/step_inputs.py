@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
@@ -19,11 +19,12 @@ from tknp_megatron.attention import AttentionMetadata
 from tknp_megatron.executor.rope import Rope
 from tknp_megatron.host_to_device import to_device
 from tknp_megatron.kv_cache import PagedKVCache
-from tknp_megatron.plan import StepPlan
+from tknp_megatron.plan import StepPlan, take_rows
 from tknp_megatron.sampling import SamplingTensors
 
 __all__ = [
-    "StepInputs", "StepShape", "prepare_inputs", "plan_sampling", "step_tokens", "pad_plan", "bucket",
+    "RowLayout", "StepInputs", "StepShape", "bucket", "pad_plan", "plan_sampling", "prepare_inputs",
+    "row_layout", "step_tokens",
 ]
 
 
@@ -75,6 +76,27 @@ class StepInputs:
             dst.copy_(src, non_blocking=True)
 
 
+class RowLayout(NamedTuple):
+    """Where each query row of a batch sits (host tensors, int64)."""
+
+    cu_seqlens: torch.Tensor
+    """``[R + 1]`` first row of each request, then the row count."""
+    row_request: torch.Tensor
+    """``[rows]`` the request of each row."""
+    positions: torch.Tensor
+    """``[rows]`` the sequence position of each row."""
+
+
+def row_layout(q_lens: torch.Tensor, start_pos: torch.Tensor, rows: int) -> RowLayout:
+    """The rows of requests fed ``q_lens`` ``[R]`` tokens from ``start_pos`` ``[R]`` on
+    (``rows = sum(q_lens)``)."""
+    cu = torch.zeros(q_lens.numel() + 1, dtype=torch.int64)
+    torch.cumsum(q_lens, 0, out=cu[1:])
+    row_req = torch.repeat_interleave(torch.arange(q_lens.numel()), q_lens, output_size=rows)
+    positions = start_pos[row_req] + torch.arange(rows) - cu[row_req]
+    return RowLayout(cu, row_req, positions)
+
+
 def prepare_inputs(
     plan: StepPlan,
     node: int,
@@ -93,18 +115,15 @@ def prepare_inputs(
     ``plan.prev_token_index`` take as their input.
     """
     lo, hi = plan.request_range(node)
-    q_lens, start = plan.q_lens[lo:hi], plan.start_pos[lo:hi]
-    rows = plan.rows_per_owner[node]
-    cu = torch.zeros(hi - lo + 1, dtype=torch.int64)
-    torch.cumsum(q_lens, 0, out=cu[1:])
-    row_req = torch.repeat_interleave(torch.arange(hi - lo), q_lens, output_size=rows)
-    positions = start[row_req] + torch.arange(rows) - cu[row_req]
-    slots = plan.slots[lo:hi]
+    cols = plan.per_request
+    q_lens, start = cols.q_lens[lo:hi], cols.start_pos[lo:hi]
+    cu, row_req, positions = row_layout(q_lens, start, plan.rows_per_owner[node])
+    slots = cols.slots[lo:hi]
     seq_lens = start + q_lens
     bound = int(seq_lens.max()) if hi > lo else 0
     host = (
         cu.to(torch.int32), seq_lens.to(torch.int32), slots, slots[row_req], positions,
-        torch.cumsum(plan.q_lens, 0) - 1, plan.tokens, *_prev_index(plan), *_sampling_host(plan),
+        torch.cumsum(cols.q_lens, 0) - 1, plan.tokens, *_prev_index(plan), *cols.sampling(),
     )
     cu, seq_lens, slots, row_slots, positions, last_rows, tokens, *rest = to_device(host, device)
     if plan.prev_token_index is not None:
@@ -117,7 +136,7 @@ def prepare_inputs(
         max_seq_len=max(bound, max_seq_len),
     )
     shape = StepShape(
-        plan.rows_per_owner, plan.requests_per_owner, bool((plan.temperature == 0).all())
+        plan.rows_per_owner, plan.requests_per_owner, bool((cols.temperature == 0).all())
     )
     return StepInputs(
         shape=shape,
@@ -147,16 +166,9 @@ def step_tokens(plan: StepPlan, device: torch.device, last_tokens: Optional[torc
     return _feed_previous(tokens, prev[0], last_tokens) if prev else tokens
 
 
-def _sampling_host(plan: StepPlan) -> Tuple[torch.Tensor, ...]:
-    """The plan's ``[R]`` sampling tensors, in :class:`SamplingTensors` order (host)."""
-    return (
-        plan.temperature, plan.top_k, plan.top_p, plan.seeds, plan.request_ids, plan.sample_steps,
-    )
-
-
 def plan_sampling(plan: StepPlan, device: torch.device) -> SamplingTensors:
     """The plan's ``[R]`` sampling tensors on ``device``."""
-    return SamplingTensors(*to_device(_sampling_host(plan), device))
+    return SamplingTensors(*to_device(plan.per_request.sampling(), device))
 
 
 _SMALL_BUCKETS = (1, 2, 4, 8)
@@ -178,46 +190,22 @@ def pad_plan(plan: StepPlan, dummy_slot: int) -> Tuple[StepPlan, torch.Tensor]:
     One bucket for all owners (that of the busiest) keeps the number of captured layouts
     to the number of buckets; the scheduler balances owners, so little is padded.
     Dummy requests use ``dummy_slot`` (whose block-table row points at a scratch block),
-    position 0, token 0, greedy, request id -1. Returns the padded plan and ``[R]`` the
-    index of each real request in the padded batch.
+    and each column's pad value (:class:`~tknp_megatron.plan.RequestColumns`): position 0,
+    token 0, greedy, request id -1. Returns the padded plan and ``[R]`` the index of each
+    real request in the padded batch.
     """
     counts = plan.requests_per_owner
-    padded = (bucket(max(counts)),) * len(counts)
-    parts, index, at = {f: [] for f in _PER_REQUEST}, [], 0
-    for node, (c, p) in enumerate(zip(counts, padded)):
-        lo, hi = plan.request_range(node)
-        for f in _PER_REQUEST:
-            real = getattr(plan, f)[lo:hi]
-            parts[f].append(real)
-            parts[f].append(torch.full((p - c,), _DUMMY[f], dtype=real.dtype))
-        index.append(torch.arange(at, at + c))
-        at += p
-    fields = {f: torch.cat(v) for f, v in parts.items()}
-    fields["slots"][fields["request_ids"] < 0] = dummy_slot
-    fields["tokens"] = _pad_rows(plan.tokens, counts, padded, 0)
-    if plan.prev_token_index is not None:
-        fields["prev_token_index"] = _pad_rows(plan.prev_token_index, counts, padded, -1)
+    size = bucket(max(counts))
+    padded = (size,) * len(counts)
+    n = torch.tensor(counts, dtype=torch.int64).unsqueeze(1)  # [N, 1]
+    k = torch.arange(size)
+    real = k < n  # [N, size]: which padded entries hold a real request
+    take = torch.where(real, torch.cumsum(n, 0) - n + k, -1).flatten()  # -1: a dummy
+    prev = plan.prev_token_index
     new = dataclasses.replace(
-        plan, requests_per_owner=padded, rows_per_owner=padded, admissions=(), **fields
+        plan, requests_per_owner=padded, rows_per_owner=padded, admissions=(),
+        per_request=plan.per_request.take(take, slots=dummy_slot),
+        tokens=take_rows(plan.tokens, take, 0),  # one row per request: rows pad alike
+        prev_token_index=None if prev is None else take_rows(prev, take, -1),
     )
-    return new, torch.cat(index)
-
-
-_PER_REQUEST = (
-    "request_ids", "slots", "q_lens", "start_pos", "temperature", "top_k", "top_p",
-    "seeds", "sample_steps",
-)
-_DUMMY = dict(
-    request_ids=-1, slots=0, q_lens=1, start_pos=0, temperature=0.0, top_k=0, top_p=1.0,
-    seeds=0, sample_steps=0,
-)
-
-
-def _pad_rows(values: torch.Tensor, counts, padded, fill: int) -> torch.Tensor:
-    """``[rows]`` per-row values of a pure-decode plan, each owner padded with ``fill``."""
-    out, at = [], 0
-    for c, p in zip(counts, padded):
-        out.append(values[at : at + c])
-        out.append(torch.full((p - c,), fill, dtype=values.dtype))
-        at += c
-    return torch.cat(out)
+    return new, real.flatten().nonzero().flatten()

@@ -20,8 +20,7 @@ import torch
 
 
 def _requests(batch: int, context: int, nodes: int):
-    from tknp_megatron.analysis.metrics import RequestTimeline
-    from tknp_megatron.engine.request import Request
+    from tknp_megatron.engine.request import Request, RequestTimeline
     from tknp_megatron.sampling import SamplingParams
 
     out = []

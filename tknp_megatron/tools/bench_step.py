@@ -1,4 +1,4 @@
-"""TKNP decode-step benchmark on GPUs (issue 4): per-layer phases, graphs vs eager.
+"""TKNP decode-step benchmark on GPUs: per-layer phases, graphs vs eager.
 
 Run under torchrun, one process per GPU (N nodes x T=1)::
 
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from tknp_megatron.executor.dense import finish_layer, vocab_logits  # noqa: E402
-from tknp_megatron.plan import StepPlan  # noqa: E402
+from tknp_megatron.plan import RequestColumns, StepPlan  # noqa: E402
 from tknp_megatron.profiler import PhaseTimer, PhaseTimes  # noqa: E402
 
 
@@ -96,10 +96,12 @@ def decode_plan(batch: int, ctx: int, num_nodes: int, step: int, tokens=None) ->
     slots = torch.cat([torch.arange(c) for c in per])
     z = torch.zeros(batch, dtype=torch.int64)
     toks = torch.arange(batch) % 1000 if tokens is None else tokens.cpu()
+    per_request = RequestColumns(
+        request_ids=torch.arange(batch), slots=slots, q_lens=z + 1, start_pos=z + ctx - 1 + step,
+        temperature=z.float(), top_k=z, top_p=z.float() + 1, seeds=z, sample_steps=z + step,
+    )
     return StepPlan(
-        step=step, admissions=(), request_ids=torch.arange(batch), slots=slots,
-        q_lens=z + 1, start_pos=z + ctx - 1 + step, tokens=toks, temperature=z.float(),
-        top_k=z, top_p=z.float() + 1, seeds=z, sample_steps=z + step,
+        step=step, admissions=(), per_request=per_request, tokens=toks,
         requests_per_owner=tuple(per), rows_per_owner=tuple(per),
     )
 
@@ -298,7 +300,7 @@ def main():
                     print(f"    {k['ms']:8.3f} ms  x{k['calls']:<6.0f} {k['name']}")
         sys.stdout.flush()
     dist.barrier()
-    os._exit(0)  # NCCL teardown after capturing P2P can hang (DEVICE.md)
+    os._exit(0)  # NCCL teardown after capturing P2P can hang
 
 
 if __name__ == "__main__":
