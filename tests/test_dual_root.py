@@ -15,6 +15,7 @@ import torch
 
 from tests.tknp_workers import SCENARIOS, SEED, tknp_worker
 from tknp_megatron.launch import spawn
+from tknp_megatron.mode import Mode
 
 WORLDS = {2: [(2, 1)], 4: [(4, 1), (2, 2)]}
 SHAPES = [s for shapes in WORLDS.values() for s in shapes]
@@ -28,7 +29,7 @@ def dual(reference):
     kvs = {name: kv for name, (_, kv) in reference.items() if kv is not None}
     out = {}
     for world, shapes in WORLDS.items():
-        per_rank = spawn(tknp_worker, world, (shapes, DUAL_SCENARIOS, SEED, kvs, None, 2), timeout_s=400)
+        per_rank = spawn(tknp_worker, world, (shapes, DUAL_SCENARIOS, SEED, kvs, Mode.TKNP_DUAL), timeout_s=400)
         for rank_out in per_rank:
             out.update({k: v for k, v in rank_out.items() if v is not None})
     return out

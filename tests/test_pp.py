@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tests.tknp_workers import SCENARIOS, SEED, tknp_worker
-from tknp_megatron.baselines.pp import PPInferenceEngine
 from tknp_megatron.launch import spawn
+from tknp_megatron.mode import Mode
 
 WORLDS = {2: [(1, 2), (2, 1)], 3: [(3, 1)], 4: [(2, 2)]}
 SHAPES = [s for shapes in WORLDS.values() for s in shapes]
@@ -26,7 +26,7 @@ def pp(reference):
     kvs = {name: kv for name, (_, kv) in reference.items() if kv is not None}
     out = {}
     for world, shapes in WORLDS.items():
-        args = (shapes, PP_SCENARIOS + INGEST[:1] * (world == 2), SEED, kvs, PPInferenceEngine)
+        args = (shapes, PP_SCENARIOS + INGEST[:1] * (world == 2), SEED, kvs, Mode.PP)
         for rank_out in spawn(tknp_worker, world, args, timeout_s=400):
             out.update({k: v for k, v in rank_out.items() if v is not None})
     return out
