@@ -1,7 +1,7 @@
 """Dual-active-root microbatching (paper 4.5) on real gloo pools vs the Megatron reference.
 
 Two microbatches, each with its own active root per layer on the dual placement, run
-half a layer apart (tknp_megatron/dual_root.py). Greedy and seeded tokens must equal the
+half a layer apart (tknp_megatron/executor/dual_root.py). Greedy and seeded tokens must equal the
 reference exactly and logits agree within 1e-4 (fp32, CPU) for (N, T) in {(2,1), (4,1),
 (2,2)}: admission waves under a tight budget, requests ending mid-batch or on EOS, KV
 ingested from outside, a pool where a node or a microbatch holds no request, and the

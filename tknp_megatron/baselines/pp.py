@@ -48,8 +48,7 @@ class PPExecutor:
         local_kv_heads = cfg.num_query_groups // t
         self.attend = OwnerAttention(kv, rope, backend, cfg.num_attention_heads // t,
                                      local_kv_heads, cfg.kv_channels)
-        heads = range(groups.tp_rank * local_kv_heads, (groups.tp_rank + 1) * local_kv_heads)
-        kv_slice = KVSlice(model.layer_ids, heads, local_kv_heads * t, cfg.kv_channels)
+        kv_slice = KVSlice.tp_heads(model.layer_ids, groups.tp_rank, t, local_kv_heads, cfg.kv_channels)
         self.admitter = Admitter(kv, kv_slice, device)  # every stage stores every request
         self.local_layer = {layer: i for i, layer in enumerate(model.layer_ids)}
         self.hidden_size = cfg.hidden_size

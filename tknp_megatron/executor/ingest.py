@@ -58,6 +58,15 @@ class KVSlice:
         object.__setattr__(self, "layers", tuple(self.layers))
         object.__setattr__(self, "kv_heads", tuple(self.kv_heads))
 
+    @classmethod
+    def tp_heads(cls, layers: Sequence[int], tp_rank: int, tp_size: int, local_kv_heads: int,
+                 head_dim: int) -> "KVSlice":
+        """Every position of TP rank ``tp_rank``'s heads
+        ``[tp_rank * local_kv_heads, (tp_rank + 1) * local_kv_heads)`` in ``layers``."""
+        first = tp_rank * local_kv_heads
+        return cls(tuple(layers), tuple(range(first, first + local_kv_heads)),
+                   local_kv_heads * tp_size, head_dim)
+
     def shape(self, length: int) -> Tuple[int, ...]:
         """This rank's part of the KV of ``length`` tokens."""
         positions = len(range(self.shard, length, self.num_shards))

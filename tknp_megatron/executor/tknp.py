@@ -80,8 +80,8 @@ class TKNPExecutor:
         self.hidden_size = cfg.hidden_size
         self.dtype = cfg.params_dtype
         self.last_root = placement.root_of_layer(placement.num_layers - 1)
-        heads = range(groups.tp_rank * self.local_kv_heads, (groups.tp_rank + 1) * self.local_kv_heads)
-        kv_slice = KVSlice(range(placement.num_layers), heads, self.local_kv_heads * t, self.head_dim)
+        kv_slice = KVSlice.tp_heads(range(placement.num_layers), groups.tp_rank, t, self.local_kv_heads,
+                                    self.head_dim)  # an owner keeps every layer of its requests
         self.admitter = Admitter(kv, kv_slice, device, owner=self.node, ingest=ingest)
         self.graphs = None  # set by enable_cuda_graphs
         self.last_tokens: Optional[torch.Tensor] = None  # [R] previous step's tokens (device)
