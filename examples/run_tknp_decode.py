@@ -204,15 +204,9 @@ def resolve_model(args, ckpt: Optional[str]) -> ModelSource:
     return ModelSource(preset, ckpt, vocab, origin)
 
 
-def _load_weights(model, source: ModelSource, seed: int) -> None:
-    """Checkpoint (collective: every rank calls it) or the seeded source."""
-    from tknp_megatron.models.checkpoint import load_megatron_checkpoint
-    from tknp_megatron.models.weights import fill_seeded_
-
-    if source.checkpoint:
-        load_megatron_checkpoint(model, source.checkpoint)
-    else:
-        fill_seeded_(model, source.preset, seed)
+def _weights(source: ModelSource, seed: int):
+    """The checkpoint (its load is collective: every rank calls it), else the seed."""
+    return source.checkpoint or seed
 
 
 # ----------------------------------------------------------------------------- the prompts
@@ -291,26 +285,23 @@ def _object_device(args) -> Optional[torch.device]:
 
 def run_tknp(job: Job, device: torch.device):
     import parallel_state as ps
-    from tknp_megatron.engine.engine import EngineConfig, TKNPInferenceEngine
-    from tknp_megatron.models.model import build_rank_model
-    from tknp_megatron.placement import balanced_placement
+    from tknp_megatron.engine.config import EngineConfig
+    from tknp_megatron.engine.factory import Mode, build_engine
 
     args, preset = job.args, job.model.preset
     groups = ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, token_parallel_size=args.nodes)
-    placement = balanced_placement(preset, args.nodes)
-    model = build_rank_model(preset, placement, groups, dtype_from_name(args.dtype), device,
-                             vocab_size=job.model.padded_vocab)
-    _load_weights(model, job.model, args.seed)  # a checkpoint: only this rank's blocks
     config = EngineConfig(
         block_size=args.block_size, kv_tokens_per_node=job.kv_tokens, policy=args.policy,
         attention_backend=args.attention_backend, record_logits=not args.no_reference,
     )
-    engine = TKNPInferenceEngine(model, preset, placement, groups, config, device)
+    # a checkpoint: each rank reads only its own blocks
+    engine = build_engine(Mode.TKNP, preset, groups, config, device, dtype_from_name(args.dtype),
+                          weights=_weights(job.model, args.seed), padded_vocab=job.model.padded_vocab)
     results = engine.generate(job.prompts, job.sampling())
     summary = None
     if groups.is_coordinator:
         summary = dict(metrics=engine.metrics(), capacity=engine.kv_capacity_tokens,
-                       peak=engine.peak_kv_tokens, placement=placement.describe())
+                       peak=engine.peak_kv_tokens, placement=engine.placement.describe())
     ps.destroy_model_parallel()
     return results, summary
 
@@ -320,6 +311,7 @@ def run_reference(job: Job, device: torch.device):
     collective, so then every rank builds and loads the full model."""
     from megatron.core import parallel_state as mpu
 
+    from tknp_megatron.engine.factory import load_weights
     from tknp_megatron.models.reference import build_reference_model, reference_generate
 
     source, args = job.model, job.args
@@ -328,7 +320,7 @@ def run_reference(job: Job, device: torch.device):
     if source.checkpoint or dist.get_rank() == 0:
         model = build_reference_model(source.preset, dtype_from_name(args.dtype), device,
                                       vocab_size=source.padded_vocab)
-        _load_weights(model, source, args.seed)
+        load_weights(model, source.preset, _weights(source, args.seed))
         if dist.get_rank() == 0:
             params = [job.sampling()] * len(job.prompts)
             out = reference_generate(model, source.preset, job.prompts, params)

@@ -60,10 +60,8 @@ def dcp_worker(rank, world, cases: Sequence[DCPCase], scenarios: Sequence[Scenar
     """Every case of this world size through the DCP engine; also this rank's layer-0 QKV."""
     warnings.simplefilter("ignore")
     import parallel_state as ps
-    from tknp_megatron.baselines.dcp import DCPInferenceEngine, init_dcp_groups
-    from tknp_megatron.baselines.dcp_qkv import build_dcp_model
-    from tknp_megatron.engine.engine import EngineConfig
-    from tknp_megatron.models.weights import fill_seeded_
+    from tknp_megatron.engine.config import EngineConfig
+    from tknp_megatron.engine.factory import Mode, build_engine
 
     out = {}
     for case in cases:
@@ -71,18 +69,16 @@ def dcp_worker(rank, world, cases: Sequence[DCPCase], scenarios: Sequence[Scenar
             continue
         preset = case.preset()
         groups = ps.initialize_model_parallel(tensor_model_parallel_size=world, token_parallel_size=1)
-        dcp = init_dcp_groups(groups, preset.num_query_groups)
-        model = build_dcp_model(preset, range(preset.num_layers), pre_process=True, post_process=True,
-                                tp=world, params_dtype=torch.float32, device=torch.device("cpu"))
-        fill_seeded_(model, preset, seed)
-        out[(case.name, "qkv")] = model.layer(0).self_attention.linear_qkv.weight.detach().clone()
-        out[(case.name, "dcp")] = (dcp.degree, dcp.shard, dcp.kv_head)
         for s in scenarios:
             if s.name not in case.scenarios:
                 continue
             config = EngineConfig(block_size=s.block_size, kv_tokens_per_node=s.kv_tokens_per_node,
                                   record_logits=True)
-            engine = DCPInferenceEngine(model, preset, groups, dcp, config, torch.device("cpu"))
+            engine = build_engine(Mode.DCP, preset, groups, config, torch.device("cpu"), torch.float32,
+                                  weights=seed)
+            qkv = engine.executor.model.layer(0).self_attention.linear_qkv.weight.detach().clone()
+            out[(case.name, "qkv")] = qkv
+            out[(case.name, "dcp")] = (engine.dcp.degree, engine.dcp.shard, engine.dcp.kv_head)
             out[(case.name, s.name)] = run_scenario(engine, s, None)
             out[(case.name, s.name, "kv")] = _cache_summary(engine)
         ps.destroy_model_parallel()

@@ -85,19 +85,15 @@ def _save(preset, tp: int, ckpt_dir: str, seeded: bool = True) -> None:
 
 def _serve(n: int, t: int, ckpt_dir: str):
     import parallel_state as ps
-    from tknp_megatron.engine.engine import EngineConfig, TKNPInferenceEngine
-    from tknp_megatron.models.checkpoint import load_megatron_checkpoint
-    from tknp_megatron.models.model import build_rank_model
-    from tknp_megatron.placement import balanced_placement
+    from tknp_megatron.engine.config import EngineConfig
+    from tknp_megatron.engine.factory import Mode, build_engine
 
     preset = get_preset(SCENARIO.preset)
     groups = ps.initialize_model_parallel(tensor_model_parallel_size=t, token_parallel_size=n)
-    placement = balanced_placement(preset, n)
-    model = build_rank_model(preset, placement, groups, torch.float32, torch.device("cpu"))
-    load_megatron_checkpoint(model, ckpt_dir)
     config = EngineConfig(block_size=4, kv_tokens_per_node=SCENARIO.kv_tokens_per_node,
                           record_logits=True, attention_backend="torch")
-    engine = TKNPInferenceEngine(model, preset, placement, groups, config, torch.device("cpu"))
+    engine = build_engine(Mode.TKNP, preset, groups, config, torch.device("cpu"), torch.float32,
+                          weights=ckpt_dir)
     out = run_scenario(engine, SCENARIO, None)
     ps.destroy_model_parallel()
     return out
@@ -136,19 +132,15 @@ def memory_worker(rank, world, big_dir):
     import psutil
 
     import parallel_state as ps
-    from tknp_megatron.models.checkpoint import (
-        checkpoint_padded_vocab_size,
-        load_megatron_checkpoint,
-    )
-    from tknp_megatron.models.model import build_rank_model
-    from tknp_megatron.placement import balanced_placement
+    from tknp_megatron.engine.factory import Mode, build_model, load_weights, placement_for
+    from tknp_megatron.models.checkpoint import checkpoint_padded_vocab_size
 
     preset = preset_from_model_config(BIG)
     groups = ps.initialize_model_parallel(tensor_model_parallel_size=1, token_parallel_size=world)
-    placement = balanced_placement(preset, world)
+    placement = placement_for(Mode.TKNP, preset, groups)
     vocab = checkpoint_padded_vocab_size(big_dir)  # saved at TP=4: padded to 16384, not 16000
-    model = build_rank_model(preset, placement, groups, torch.float32, torch.device("cpu"),
-                             vocab_size=vocab)
+    model = build_model(Mode.TKNP, preset, placement, groups, torch.float32, torch.device("cpu"),
+                        padded_vocab=vocab)
     own = sum(p.numel() * p.element_size() for p in model.parameters())
     proc = psutil.Process()
     base = peak = proc.memory_info().rss
@@ -162,7 +154,7 @@ def memory_worker(rank, world, big_dir):
 
     sampler = threading.Thread(target=sample)
     sampler.start()
-    load_megatron_checkpoint(model, big_dir)
+    load_weights(model, preset, big_dir)
     done.set()
     sampler.join()
     peak = max(peak, proc.memory_info().rss)

@@ -5,7 +5,7 @@ import pytest
 from tknp_megatron.analysis.costmodel import (
     KIB,
     MIB,
-    Layout,
+    Mode,
     NodeBudget,
     budget_from_measurement,
     budget_from_preset,
@@ -46,7 +46,7 @@ def test_paper_layouts_on_eight_nodes():
 
 def test_one_node_every_layout_is_dp():
     cap = kv_capacity(_paper_budget(), 1)
-    for layout in (Layout.DP, Layout.TP, Layout.PP, Layout.DCP, Layout.TKNP):
+    for layout in (Mode.DP, Mode.TP, Mode.PP, Mode.DCP, Mode.TKNP):
         assert cap.of(layout) == pytest.approx(106)
     assert cap.tknp_dual is None and cap.tknp_over_dp == pytest.approx(1)
 

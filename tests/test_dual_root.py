@@ -15,6 +15,7 @@ import torch
 
 from tests.helpers import reference_kvs, spawn_runs
 from tests.tknp_workers import SCENARIOS, SEED, tknp_worker
+from tknp_megatron.mode import Mode
 
 WORLDS = {2: [(2, 1)], 4: [(4, 1), (2, 2)]}
 SHAPES = [s for shapes in WORLDS.values() for s in shapes]
@@ -26,7 +27,7 @@ DUAL_SCENARIOS = [s for s in SCENARIOS if s.name in NAMES]
 @pytest.fixture(scope="module")
 def dual(reference):
     kvs = reference_kvs(reference)
-    args = {world: (shapes, DUAL_SCENARIOS, SEED, kvs, None, 2) for world, shapes in WORLDS.items()}
+    args = {world: (shapes, DUAL_SCENARIOS, SEED, kvs, Mode.TKNP_DUAL) for world, shapes in WORLDS.items()}
     return dict(spawn_runs(tknp_worker, args))
 
 

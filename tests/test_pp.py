@@ -13,7 +13,7 @@ import torch
 
 from tests.helpers import reference_kvs, spawn_runs
 from tests.tknp_workers import SCENARIOS, SEED, tknp_worker
-from tknp_megatron.baselines.pp import PPInferenceEngine
+from tknp_megatron.mode import Mode
 
 WORLDS = {2: [(1, 2), (2, 1)], 3: [(3, 1)], 4: [(2, 2)]}
 SHAPES = [s for shapes in WORLDS.values() for s in shapes]
@@ -24,7 +24,7 @@ INGEST = [s for s in SCENARIOS if s.ingest]
 @pytest.fixture(scope="module")
 def pp(reference):
     kvs = reference_kvs(reference)
-    args = {world: (shapes, PP_SCENARIOS + INGEST[:1] * (world == 2), SEED, kvs, PPInferenceEngine)
+    args = {world: (shapes, PP_SCENARIOS + INGEST[:1] * (world == 2), SEED, kvs, Mode.PP)
             for world, shapes in WORLDS.items()}
     return dict(spawn_runs(tknp_worker, args))
 

@@ -84,20 +84,18 @@ def prefill_kv(model, preset, tokens) -> torch.Tensor:
     return torch.stack([torch.stack([k[:, 0], v[:, 0]]) for k, v in captured])
 
 
-def tknp_worker(rank, world, shapes, scenarios, seed, kv_by_scenario, engine_cls=None, microbatches=1):
-    """For each (N, T[, pools]) of this world and each scenario, run the engine.
+def tknp_worker(rank, world, shapes, scenarios, seed, kv_by_scenario, mode="tknp"):
+    """For each (N, T[, pools]) of this world and each scenario, run ``mode``'s engine.
 
-    With several pools (the data-parallel baseline) each pool serves the requests
-    ``i % pools == pool`` under their global ids; pool coordinators return their results.
-    ``microbatches=2`` runs dual-active-root microbatching on the dual placement.
+    With several pools (the data-parallel baseline, mode ``dp``) each pool serves the
+    requests ``i % pools == pool`` under their global ids; pool coordinators return their
+    results. ``tknp-dual`` runs dual-active-root microbatching on the dual placement.
     """
     warnings.simplefilter("ignore")
     import parallel_state as ps
     from tknp_megatron.config import get_preset
-    from tknp_megatron.engine.engine import EngineConfig, TKNPInferenceEngine
-    from tknp_megatron.models.model import build_rank_model
-    from tknp_megatron.models.weights import fill_seeded_
-    from tknp_megatron.placement import balanced_placement
+    from tknp_megatron.engine.config import EngineConfig
+    from tknp_megatron.engine.factory import Mode, build_engine
 
     out = {}
     for shape in shapes:
@@ -105,16 +103,13 @@ def tknp_worker(rank, world, shapes, scenarios, seed, kv_by_scenario, engine_cls
         groups = ps.initialize_model_parallel(
             tensor_model_parallel_size=t, token_parallel_size=n, num_pools=pools
         )
+        shape_mode = Mode.DP if pools > 1 else Mode(mode)
         for s in scenarios:
-            preset = get_preset(s.preset)
-            placement = balanced_placement(preset, n, dual=microbatches == 2)
-            model = build_rank_model(preset, placement, groups, torch.float32, torch.device("cpu"))
-            fill_seeded_(model, preset, seed)
             config = EngineConfig(block_size=s.block_size, kv_tokens_per_node=s.kv_tokens_per_node,
                                   record_logits=not s.graphs, attention_backend="torch",
-                                  cuda_graphs=s.graphs, microbatches=microbatches)
-            cls = engine_cls or TKNPInferenceEngine
-            engine = cls(model, preset, placement, groups, config, torch.device("cpu"))
+                                  cuda_graphs=s.graphs)
+            engine = build_engine(shape_mode, get_preset(s.preset), groups, config, torch.device("cpu"),
+                                  torch.float32, weights=seed)
             out[(*shape, s.name)] = run_scenario(engine, s, kv_by_scenario.get(s.name))
         ps.destroy_model_parallel()
     return out
@@ -180,8 +175,6 @@ def _scenarios():
         Scenario("llama-eos", "tiny", mixed, max_new, kv_tokens_per_node=40, eos_id=76),
         Scenario("llama-bad-input", "tiny", few, (4, 4, 4), kv_tokens_per_node=64, extra_bad=True),
     ]
-
-
 
 
 SCENARIOS = _scenarios()

@@ -4,8 +4,9 @@ Pure arithmetic (no torch.distributed). Capacity follows paper section 3.2 / Fig
 traffic follows section 4.4, equations 1-5.
 
 Capacity: a node offers ``node_gib`` for weights plus KV cache (after the utilisation
-fraction and the runtime reserve, which every layout pays per node). A layout's usable KV
-is what is left after its weight copies, divided by its KV replication:
+fraction and the runtime reserve, which every layout pays per node). A layout (a
+:class:`~tknp_megatron.mode.Mode`) has as usable KV what is left after its weight copies,
+divided by its KV replication:
 
 - DP: every node holds a full copy.
 - TP over all N*T GPUs: one copy, but each KV head is stored on max(1, N*T/Hkv) GPUs.
@@ -15,17 +16,17 @@ is what is left after its weight copies, divided by its KV replication:
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
 from tknp_megatron.config import ModelPreset
+from tknp_megatron.mode import Mode
 from tknp_megatron.placement import GIB, ModelBytes, model_bytes, placement_from_bytes
 
 __all__ = [
     "Capacity",
     "LayerTraffic",
-    "Layout",
+    "Mode",
     "NodeBudget",
     "budget_from_measurement",
     "budget_from_preset",
@@ -39,17 +40,6 @@ __all__ = [
 KIB = 1 << 10
 MIB = 1 << 20
 LSE_BYTES = 4  # DCP log-sum-exp statistics are FP32
-
-
-class Layout(str, enum.Enum):
-    """Decode-pool layouts compared by the capacity model."""
-
-    DP = "dp"
-    TP = "tp"
-    PP = "pp"
-    DCP = "dcp"
-    TKNP = "tknp"
-    TKNP_DUAL = "tknp_dual"
 
 
 # ---------------------------------------------------------------- capacity
@@ -131,7 +121,8 @@ def placement_shares(weights: ModelBytes, num_nodes: int, dual: bool = False) ->
 
 @dataclass(frozen=True)
 class Capacity:
-    """Usable KV GiB of each layout on ``num_nodes`` nodes (``tknp_dual`` None for odd N)."""
+    """Usable KV GiB of each layout on ``num_nodes`` nodes (``tknp_dual`` None for odd N);
+    one field per :class:`~tknp_megatron.mode.Mode`, named by its :attr:`~Mode.field`."""
 
     num_nodes: int
     dp: float
@@ -141,9 +132,9 @@ class Capacity:
     tknp: float
     tknp_dual: Optional[float]
 
-    def of(self, layout: Layout) -> Optional[float]:
-        """GiB of ``layout``."""
-        return getattr(self, Layout(layout).value)
+    def of(self, layout: Mode) -> Optional[float]:
+        """GiB of ``layout`` (a :class:`Mode` or its value)."""
+        return getattr(self, Mode(layout).field)
 
     @property
     def tknp_over_dp(self) -> Optional[float]:

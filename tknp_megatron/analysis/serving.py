@@ -1,22 +1,17 @@
 """One trace, every parallel mode: build a mode's pool, replay a workload, collect metrics.
 
-Modes (paper section 5.1), for a world of W ranks with T ranks per node:
-  tknp  one TKNP pool, N = W / T nodes x TP T
-  tknp-dual  the same with dual-active-root microbatching (two weight copies, N even)
-  dp    W / T independent replicas (pools of one node x TP T); requests round-robin
-  tp    one pool, one node, TP over all W ranks
-  pp    W / T pipeline stages x TP T, about W / T microbatches in flight
-  dcp   one pool, TP over all W ranks, KV sharded by sequence (needs W > KV heads: run
-        it on an MQA variant, and TKNP on the same variant for comparison)
+Modes (paper section 5.1) are :class:`~tknp_megatron.mode.Mode`, for a world of W ranks
+with T ranks per node: tknp, tknp-dual, dp (W / T replicas; requests round-robin), tp,
+pp and dcp (needs W > KV heads: run it on an MQA variant, and TKNP on the same variant
+for comparison); :func:`~tknp_megatron.engine.factory.build_engine` builds each.
 Prompts' KV arrives from "outside" (synthetic, identical in every mode), so runs measure
-decode only; metrics count from the workload's release (DESIGN.md section 8). CUDA
+decode only; metrics count from each request's release time in the workload. CUDA
 graphs, when asked for, apply to TKNP, DP and TP; the PP and DCP baselines run eagerly.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import gc
 import time
 from dataclasses import dataclass
@@ -29,22 +24,13 @@ import parallel_state as ps
 from tknp_megatron.analysis.metrics import ServingMetrics, summarize
 from tknp_megatron.analysis.workload import Workload, prompt_tokens
 from tknp_megatron.config import ModelPreset
-from tknp_megatron.engine.engine import Arrival, EngineConfig, TKNPInferenceEngine
-from tknp_megatron.models.model import build_rank_model
-from tknp_megatron.models.weights import fill_seeded_
-from tknp_megatron.placement import balanced_placement
+from tknp_megatron.engine.config import EngineConfig
+from tknp_megatron.engine.factory import build_engine
+from tknp_megatron.engine.intake import Arrival
+from tknp_megatron.mode import Mode
 from tknp_megatron.sampling import SamplingParams
 
 __all__ = ["Mode", "ModeRun", "run_mode"]
-
-
-class Mode(str, enum.Enum):
-    TKNP = "tknp"
-    TKNP_DUAL = "tknp-dual"
-    DP = "dp"
-    TP = "tp"
-    PP = "pp"
-    DCP = "dcp"
 
 
 @dataclass(frozen=True)
@@ -59,40 +45,6 @@ class ModeRun:
     resident_batch_mean: float  # requests resident per step, summed over pools
     host_ms_per_step: tuple = ()  # per rank: host work per step (LoopTiming)
     wait_ms_per_step: tuple = ()  # per rank: waiting per step (coordinators: for the GPU)
-
-
-def _layout(mode: Mode, world: int, tp: int):
-    """``(num_pools, nodes, tp)`` of a mode."""
-    if mode in (Mode.TKNP, Mode.TKNP_DUAL, Mode.PP):
-        return 1, world // tp, tp
-    if mode is Mode.DP:
-        return world // tp, 1, tp
-    return 1, 1, world
-
-
-def _engine(mode: Mode, preset: ModelPreset, groups, config: EngineConfig, dtype, device, seed):
-    """Build this rank's part of ``mode`` with seeded weights."""
-    placement = balanced_placement(preset, groups.num_nodes, dual=mode is Mode.TKNP_DUAL)
-    if mode is Mode.TKNP_DUAL:
-        config = dataclasses.replace(config, microbatches=2)
-    if mode in (Mode.PP, Mode.DCP):  # these baselines run eagerly
-        config = dataclasses.replace(config, cuda_graphs=False)
-    if mode is Mode.DCP:
-        from tknp_megatron.baselines.dcp import DCPInferenceEngine, init_dcp_groups
-        from tknp_megatron.baselines.dcp_qkv import build_dcp_model
-
-        dcp = init_dcp_groups(groups, preset.num_query_groups)
-        model = build_dcp_model(preset, range(preset.num_layers), pre_process=True, post_process=True,
-                                tp=groups.tp_size, params_dtype=dtype, device=device)
-        fill_seeded_(model, preset, seed)
-        return DCPInferenceEngine(model, preset, groups, dcp, config, device)
-    model = build_rank_model(preset, placement, groups, dtype, device)
-    fill_seeded_(model, preset, seed)
-    if mode is Mode.PP:
-        from tknp_megatron.baselines.pp import PPInferenceEngine
-
-        return PPInferenceEngine(model, preset, placement, groups, config, device)
-    return TKNPInferenceEngine(model, preset, placement, groups, config, device)
 
 
 def _arrivals(workload: Workload, vocab: int, seed: int, pool: int, pools: int) -> List[Arrival]:
@@ -137,11 +89,12 @@ def run_mode(
     seed: int = 0,
 ) -> Optional[ModeRun]:
     """Build ``mode`` over the whole world, replay ``workload``; global rank 0 gets the run."""
-    pools, nodes, t = _layout(mode, dist.get_world_size(), tp)
+    mode = Mode(mode)
+    pools, nodes, t = mode.pool_shape(dist.get_world_size(), tp)
     groups = ps.initialize_model_parallel(tensor_model_parallel_size=t, token_parallel_size=nodes,
                                           num_pools=pools)
     try:
-        engine = _engine(mode, preset, groups, config, dtype, device, seed)
+        engine = build_engine(mode, preset, groups, config, device, dtype, weights=seed)
         _warm_up(engine, workload, preset.vocab_size, seed, pools)
         arrivals = _arrivals(workload, preset.vocab_size, seed, groups.pool, pools)
         dist.barrier()

@@ -27,7 +27,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,17 +42,19 @@ from tknp_megatron.baselines.dcp_attention import (
     triton_decode_usable,
 )
 from tknp_megatron.baselines.dcp_qkv import dcp_degree
-from tknp_megatron.engine.engine import TKNPInferenceEngine
+from tknp_megatron.engine.base import BuiltExecutor
+from tknp_megatron.engine.engine import LockstepEngine
 from tknp_megatron.engine.kv_budget import budget_blocks, pool_block_counts
+from tknp_megatron.executor.base import StepOutput
 from tknp_megatron.executor.dense import finish_layer, qkv_projection, vocab_logits
+from tknp_megatron.executor.ingest import Admitter, KVSlice
 from tknp_megatron.executor.rope import Rope
 from tknp_megatron.executor.step_inputs import StepShape, plan_sampling, row_layout, step_tokens
-from tknp_megatron.executor.synthetic import synthetic_kv
-from tknp_megatron.executor.tknp import StepOutput, draw_tokens
+from tknp_megatron.executor.tknp import draw_tokens
 from tknp_megatron.host_to_device import to_device
 from tknp_megatron.kv_cache import KVCacheSpec, PagedKVCache
 from tknp_megatron.placement import balanced_placement
-from tknp_megatron.plan import StepPlan
+from tknp_megatron.plan import Admission, StepPlan
 from tknp_megatron.sampling import SamplingTensors
 
 __all__ = [
@@ -68,7 +70,7 @@ class DCPGroups:
     Attributes:
         degree: D, ranks sharing one KV head.
         shard: j, this rank's sequence shard (its index among the D).
-        kv_head: g, the KV head this rank's group holds.
+        kv_head: the KV head this rank's group holds.
         group: the D ranks of the group (the TP group itself when D = W).
     """
 
@@ -88,25 +90,26 @@ def init_dcp_groups(groups: TokenParallelGroups, num_query_groups: int) -> DCPGr
     if degree == world:
         return DCPGroups(degree, shard, kv_head, groups.tp_group)
     mine = None
-    for g in range(world // degree):
-        ranks = [groups.global_rank(0, g * degree + j) for j in range(degree)]
+    for head in range(world // degree):
+        ranks = [groups.global_rank(0, head * degree + j) for j in range(degree)]
         pg = dist.new_group(ranks)
-        mine = pg if g == kv_head else mine
+        mine = pg if head == kv_head else mine
     return DCPGroups(degree, shard, kv_head, mine)
 
 
-def dcp_kv_cache_spec(preset, config, dcp: DCPGroups, econf, device) -> KVCacheSpec:
+def dcp_kv_cache_spec(preset, model_config, dcp: DCPGroups, engine_config, device) -> KVCacheSpec:
     """One shard's cache: one KV head, ``block_size / D`` tokens per block, and as many
     blocks as the budget holds in whole-sequence tokens (CPU) or free memory (GPU)."""
-    if econf.block_size % dcp.degree:
-        raise ValueError(f"block_size {econf.block_size} must be a multiple of DCP degree {dcp.degree}")
+    block_size = engine_config.block_size
+    if block_size % dcp.degree:
+        raise ValueError(f"block_size {block_size} must be a multiple of DCP degree {dcp.degree}")
     probe = KVCacheSpec(
-        num_layers=preset.num_layers, num_blocks=1, block_size=econf.block_size // dcp.degree,
-        local_kv_heads=1, head_dim=preset.kv_channels, dtype=config.params_dtype,
-        max_slots=econf.max_requests_per_node,
-        max_blocks_per_seq=math.ceil(preset.gpt.max_sequence_length / econf.block_size),
+        num_layers=preset.num_layers, num_blocks=1, block_size=block_size // dcp.degree,
+        local_kv_heads=1, head_dim=preset.kv_channels, dtype=model_config.params_dtype,
+        max_slots=engine_config.max_requests_per_node,
+        max_blocks_per_seq=math.ceil(preset.gpt.max_sequence_length / block_size),
     )
-    blocks = budget_blocks(probe.bytes_per_block, econf, device)
+    blocks = budget_blocks(probe.bytes_per_block, engine_config, device)
     if blocks < 1:
         raise RuntimeError(f"DCP shard {dcp.shard}: no memory left for the KV cache")
     return probe.with_blocks(blocks)
@@ -171,8 +174,7 @@ def prepare_dcp_inputs(plan: StepPlan, dcp: DCPGroups, kv: PagedKVCache, rope: R
 
 
 class DCPExecutor:
-    """Runs step plans for one DCP rank, with the surface the engine drives
-    (``execute``, ``apply_admissions``, ``local_ingest``, ``enable_cuda_graphs``).
+    """Runs step plans for one DCP rank (an :class:`~tknp_megatron.executor.base.Executor`).
 
     Args:
         model: the whole model, TP-sharded over W, with DCP QKV (see ``build_dcp_model``).
@@ -196,7 +198,10 @@ class DCPExecutor:
         self.scale = self.head_dim ** -0.5
         self.dtype = cfg.params_dtype
         self.fused_decode = triton_decode_usable(device)  # decode steps on the Triton kernel
-        self.local_ingest = {}  # external KV is not supported; kept for the engine's surface
+        # this shard's positions p = shard, shard + D, ... of its group's one KV head
+        kv_slice = KVSlice(range(self.num_layers), (dcp.kv_head,), self.num_kv_heads, self.head_dim,
+                           shard=dcp.shard, num_shards=dcp.degree)
+        self.admitter = Admitter(kv, kv_slice, device)  # every rank writes every block-table row
         self.last_tokens = None  # [R] previous step's tokens (device)
 
     def enable_cuda_graphs(self) -> None:
@@ -214,21 +219,9 @@ class DCPExecutor:
         self.last_tokens = out.tokens  # rows of the next plan may be fed from them
         return out
 
-    def apply_admissions(self, admissions: tuple) -> None:
+    def apply_admissions(self, admissions: Sequence[Admission]) -> None:
         """Every rank writes the same block-table row; ingested KV: synthetic only."""
-        for adm in admissions:
-            self.kv.assign(adm.slot, adm.blocks)
-            if not adm.ingest_len:
-                continue
-            if adm.synthetic_seed is None:
-                # unreachable: DCPInferenceEngine._problem refuses outside KV at add_request
-                raise ValueError(f"request {adm.request_id}: the DCP baseline takes outside KV only as synthetic_kv")
-            # this shard's positions p = shard, shard + D, ... < ingest_len, its KV head
-            positions = torch.arange(self.dcp.shard, adm.ingest_len, self.dcp.degree)
-            self.kv.ingest(adm.slot, synthetic_kv(
-                adm.synthetic_seed, range(self.num_layers), positions, [self.dcp.kv_head],
-                self.num_kv_heads, self.head_dim, self.kv.spec.dtype, self.device,
-            ))
+        self.admitter.apply(admissions)
 
     # ---------------------------------------------------------------- one layer
     def _layer(self, layer: int, hidden: torch.Tensor, inp: DCPStepInputs) -> torch.Tensor:
@@ -282,12 +275,12 @@ class DCPExecutor:
         return StepOutput(tokens, logits if record_logits else None)
 
 
-class DCPInferenceEngine(TKNPInferenceEngine):
-    """:class:`~tknp_megatron.engine.engine.TKNPInferenceEngine` with a DCP executor and cache.
+class DCPInferenceEngine(LockstepEngine):
+    """:class:`~tknp_megatron.engine.engine.LockstepEngine` with a DCP executor and cache.
 
-    Only :meth:`_build_executor` differs: the pool is one node (one allocator, block
-    counts in whole-sequence tokens); requests, scheduling, stepping and metrics are the
-    TKNP engine's. External KV (``add_request(kv=...)``) is rejected.
+    Only :meth:`_build_executor` differs from the TKNP engine: the pool is one node (one
+    allocator, block counts in whole-sequence tokens); requests, scheduling, stepping and
+    metrics are the shared engine's. External KV (``add_request(kv=...)``) is rejected.
     """
 
     def __init__(self, model, preset, groups: TokenParallelGroups, dcp: DCPGroups, config,
@@ -295,13 +288,13 @@ class DCPInferenceEngine(TKNPInferenceEngine):
         self.dcp = dcp
         super().__init__(model, preset, balanced_placement(preset, 1), groups, config, device, clock)
 
-    def _build_executor(self, model) -> DCPExecutor:
+    def _build_executor(self, model) -> BuiltExecutor:
         spec = dcp_kv_cache_spec(self.preset, model.config, self.dcp, self.config, self.device)
-        self.block_counts = pool_block_counts(spec, self.groups, self.device)
-        self.kv = PagedKVCache(spec.with_blocks(self.block_counts[0]), self.device)
+        block_counts = pool_block_counts(spec, self.groups, self.device)
+        kv = PagedKVCache(spec.with_blocks(block_counts[0]), self.device)
         rope = Rope(self.preset, model.config, self.device)
-        return DCPExecutor(model, self.groups, self.dcp, self.kv, rope, self.preset.vocab_size,
-                           self.device)
+        executor = DCPExecutor(model, self.groups, self.dcp, kv, rope, self.preset.vocab_size, self.device)
+        return BuiltExecutor(executor, kv, tuple(block_counts))
 
     def _problem(self, req):
         reason = super()._problem(req)

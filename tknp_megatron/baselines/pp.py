@@ -14,28 +14,30 @@ sampled tokens to the coordinator.
 from __future__ import annotations
 
 import pickle
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from tknp_megatron.attention import get_backend
-from tknp_megatron.engine.engine import TKNPInferenceEngine
+from tknp_megatron.engine.base import BuiltExecutor, InferenceEngine
 from tknp_megatron.engine.kv_budget import kv_cache_spec, pool_block_counts
+from tknp_megatron.executor.base import StepOutput
 from tknp_megatron.executor.dense import finish_layer, qkv_projection, vocab_logits
+from tknp_megatron.executor.ingest import Admitter, KVSlice
 from tknp_megatron.executor.owner_attention import OwnerAttention
 from tknp_megatron.executor.rope import Rope
 from tknp_megatron.executor.step_inputs import prepare_inputs
-from tknp_megatron.executor.synthetic import synthetic_kv
-from tknp_megatron.executor.tknp import StepOutput, draw_tokens
+from tknp_megatron.executor.tknp import draw_tokens
 from tknp_megatron.kv_cache import PagedKVCache
-from tknp_megatron.plan import StepPlan, build_plan
+from tknp_megatron.plan import Admission, StepPlan, build_plan
 
 __all__ = ["PPExecutor", "PPInferenceEngine"]
 
 
 class PPExecutor:
-    """One stage's share of a microbatch step: receive, run its layers, pass on."""
+    """One stage's share of a microbatch step: receive, run its layers, pass on (an
+    :class:`~tknp_megatron.executor.base.Executor`)."""
 
     def __init__(self, model, placement, groups, kv: PagedKVCache, rope, backend, vocab, device):
         cfg = model.config
@@ -43,12 +45,18 @@ class PPExecutor:
         self.vocab, self.device, self.dtype = vocab, device, cfg.params_dtype
         self.stage, self.num_stages = groups.node, groups.num_nodes
         t = groups.tp_size
+        local_kv_heads = cfg.num_query_groups // t
         self.attend = OwnerAttention(kv, rope, backend, cfg.num_attention_heads // t,
-                                     cfg.num_query_groups // t, cfg.kv_channels)
-        self.local_layer = {g: i for i, g in enumerate(model.layer_ids)}
+                                     local_kv_heads, cfg.kv_channels)
+        kv_slice = KVSlice.tp_heads(model.layer_ids, groups.tp_rank, t, local_kv_heads, cfg.kv_channels)
+        self.admitter = Admitter(kv, kv_slice, device)  # every stage stores every request
+        self.local_layer = {layer: i for i, layer in enumerate(model.layer_ids)}
         self.hidden_size = cfg.hidden_size
         self._pending: List = []  # sends of the previous tick still in flight
-        self.local_ingest = {}
+        self._local: Dict[int, StepOutput] = {}  # one-stage pipeline: step -> its output
+
+    def enable_cuda_graphs(self) -> None:
+        raise ValueError("the PP baseline runs eagerly: set EngineConfig.cuda_graphs=False")
 
     # ---------------------------------------------------------------- links
     def _rank(self, stage: int, tp_rank: Optional[int] = None) -> int:
@@ -60,7 +68,7 @@ class PPExecutor:
             work.wait()
         self._pending = []
 
-    def send_next(self, plan: StepPlan, hidden: Optional[torch.Tensor]) -> None:
+    def _send_next(self, plan: StepPlan, hidden: Optional[torch.Tensor]) -> None:
         """Pass the plan (and hidden state) to the next stage's matching TP rank."""
         self.flush()
         data = torch.frombuffer(bytearray(pickle.dumps(plan)), dtype=torch.uint8).to(self.device)
@@ -71,84 +79,116 @@ class PPExecutor:
             self._pending.append(dist.isend(hidden.contiguous(), dst, group=group))
         self._keep = (header, data, hidden)  # alive until the sends complete
 
-    def recv_prev(self):
-        """``(plan, hidden | None)`` from the previous stage's matching TP rank."""
+    def receive_plan(self) -> StepPlan:
+        """Stages 1..N-1: the next plan from the previous stage's matching TP rank."""
         src, group = self._rank(self.stage - 1), self.groups.tknp_group
         header = torch.empty(1, dtype=torch.int64, device=self.device)
         dist.recv(header, src, group=group)
         data = torch.empty(int(header), dtype=torch.uint8, device=self.device)
         dist.recv(data, src, group=group)
-        plan: StepPlan = pickle.loads(data.cpu().numpy().tobytes())
-        hidden = None
-        if not plan.stop:
-            hidden = torch.empty(plan.num_rows, 1, self.hidden_size, dtype=self.dtype, device=self.device)
-            dist.recv(hidden, src, group=group)
-        return plan, hidden
+        return pickle.loads(data.cpu().numpy().tobytes())
+
+    def _receive_hidden(self, plan: StepPlan) -> torch.Tensor:
+        """``[rows, 1, D]`` hidden state of ``plan`` from the previous stage."""
+        hidden = torch.empty(plan.num_rows, 1, self.hidden_size, dtype=self.dtype, device=self.device)
+        dist.recv(hidden, self._rank(self.stage - 1), group=self.groups.tknp_group)
+        return hidden
+
+    def stop(self, plan: StepPlan) -> None:
+        """Pass the stop plan down the pipeline and wait for the sends in flight."""
+        if self.stage < self.num_stages - 1:
+            self._send_next(plan, None)
+        self.flush()
+
+    def receive_tokens(self, plan: StepPlan) -> StepOutput:
+        """Coordinator: the sampled tokens ``[R]`` (and logits) of ``plan`` from the last stage."""
+        if self.num_stages == 1:
+            return self._local.pop(plan.step)
+        n, src = plan.num_requests, self._rank(self.num_stages - 1, 0)
+        tokens = torch.empty(n, dtype=torch.int64, device=self.device)
+        dist.recv(tokens, src)
+        logits = None
+        if plan.record_logits:
+            logits = torch.empty(n, self.vocab, dtype=torch.float32, device=self.device)
+            dist.recv(logits, src)
+        return StepOutput(tokens, logits)
 
     # ---------------------------------------------------------------- compute
-    def apply_admissions(self, admissions) -> None:
+    def apply_admissions(self, admissions: List[Admission]) -> None:
         """Every stage holds every request's KV for its layers: assign all admissions."""
-        for adm in admissions:
-            self.kv.assign(adm.slot, adm.blocks)
-            if adm.ingest_len:
-                kv = self._ingested(adm)
-                self.kv.ingest(adm.slot, kv)
-
-    def _ingested(self, adm) -> torch.Tensor:
-        """This stage's layers and this TP rank's heads of the request's synthetic KV."""
-        g, t = self.attend.kv_heads, self.groups.tp_rank
-        return synthetic_kv(
-            adm.synthetic_seed, self.model.layer_ids, torch.arange(adm.ingest_len),
-            range(t * g, (t + 1) * g), g * self.groups.tp_size, self.attend.head_dim,
-            self.kv.spec.dtype, self.device,
-        )
+        self.admitter.apply(admissions)
 
     @torch.no_grad()
-    def run(self, plan: StepPlan, hidden: Optional[torch.Tensor]):
+    def execute(self, plan: StepPlan, timer=None) -> Optional[StepOutput]:
+        """This stage's share of ``plan``: the hidden state from the previous stage (stages
+        > 0), its layers, then on to the next stage; the last stage returns the tokens
+        ``[R]`` (and logits ``[R, V]``) and sends them to the coordinator."""
+        hidden = self._receive_hidden(plan) if self.stage > 0 else None
+        out = self._run(plan, hidden)
+        if self.stage < self.num_stages - 1:
+            self._send_next(plan, out)
+            return None
+        if not plan.num_requests:
+            return None
+        tokens, logits = out
+        output = StepOutput(tokens, logits if plan.record_logits else None)
+        coordinator = self.groups.coordinator_rank
+        if self.num_stages == 1:
+            if self.groups.is_coordinator:
+                self._local[plan.step] = output  # read back by receive_tokens
+        elif self.groups.tp_rank == 0:  # tokens go to the coordinator
+            dist.send(tokens, coordinator)
+            if plan.record_logits:
+                dist.send(logits.contiguous(), coordinator)
+        return output
+
+    def _run(self, plan: StepPlan, hidden: Optional[torch.Tensor]):
         """This stage's layers for ``plan``: hidden ``[rows, 1, D]`` out, or on the last
-        stage ``(tokens [R], logits [R, V] | None)``."""
+        stage ``(tokens [R], logits [R, V])``."""
         self.apply_admissions(plan.admissions)
         if not plan.num_requests:  # admissions only: nothing to compute this tick
             return torch.empty(0, 1, self.hidden_size, dtype=self.dtype, device=self.device)
         inp = prepare_inputs(plan, 0, self.kv, self.rope, self.device)
         if self.stage == 0:
             hidden = self.model.embedding(inp.tokens.unsqueeze(0), position_ids=None)
-        for g in self.model.layer_ids:
-            block = self.model.layer(g)
-            attn = self.attend(self.local_layer[g], qkv_projection(block, hidden), inp)
+        for layer in self.model.layer_ids:
+            block = self.model.layer(layer)
+            attn = self.attend(self.local_layer[layer], qkv_projection(block, hidden), inp)
             hidden = finish_layer(block, attn.unsqueeze(1), hidden)
         if self.stage < self.num_stages - 1:
             return hidden
-        gr = self.groups
-        logits = vocab_logits(self.model, hidden, inp.last_rows, gr.tp_group, gr.tp_size, self.vocab)
+        groups = self.groups
+        logits = vocab_logits(self.model, hidden, inp.last_rows, groups.tp_group, groups.tp_size, self.vocab)
         return draw_tokens(logits, inp.sampling, inp.shape.all_greedy), logits
 
 
-class PPInferenceEngine(TKNPInferenceEngine):
-    """The PP baseline behind the TKNP engine's interface (add_request, generate, metrics).
+class PPInferenceEngine(InferenceEngine):
+    """The PP baseline behind the engines' surface (add_request, step, generate, metrics).
 
     ``placement`` gives the stages' layer blocks; ``groups.num_nodes`` is the stage count.
+    The coordinator's :meth:`step` is one tick of the microbatch cycle: book the tokens of
+    the microbatch's step in flight, then plan and issue its next step.
     """
 
     def __init__(self, model, preset, placement, groups, config, device, *,
                  num_microbatches: Optional[int] = None, **kwargs):
-        if config.cuda_graphs:
-            raise ValueError("the PP baseline runs eagerly: set EngineConfig.cuda_graphs=False")
         super().__init__(model, preset, placement, groups, config, device, **kwargs)
         self.num_microbatches = num_microbatches or self.groups.num_nodes
         self.microbatch_of = {}
+        self._awaiting: List[Optional[StepPlan]] = [None] * self.num_microbatches  # tokens due
+        self._cursor = 0  # the microbatch the coordinator's next tick serves
 
-    def _build_executor(self, model) -> PPExecutor:
+    def _build_executor(self, model) -> BuiltExecutor:
         layers = len(model.layer_ids)
         spec = kv_cache_spec(self.preset, model.config, self.groups, self.config, self.device, layers)
         blocks = min(pool_block_counts(spec, self.groups, self.device))
         # every stage must hold every request's blocks: one logical owner, pool minimum
-        self.block_counts = [blocks]
-        self.kv = PagedKVCache(spec.with_blocks(blocks), self.device)
+        kv = PagedKVCache(spec.with_blocks(blocks), self.device)
         rope = Rope(self.preset, model.config, self.device)
         backend = get_backend(self.config.attention_backend, self.device)
-        return PPExecutor(model, self.placement, self.groups, self.kv, rope, backend,
-                          self.preset.vocab_size, self.device)
+        executor = PPExecutor(model, self.placement, self.groups, kv, rope, backend,
+                              self.preset.vocab_size, self.device)
+        return BuiltExecutor(executor, kv, (blocks,))
 
     # ---------------------------------------------------------------- serving
     def _problem(self, req):
@@ -157,39 +197,30 @@ class PPInferenceEngine(TKNPInferenceEngine):
             return f"request {req.request_id}: the PP baseline takes outside KV only as synthetic_kv"
         return reason
 
-    def step(self):
-        raise RuntimeError("the PP baseline runs whole workloads: use run_until_done / generate")
+    def _steps_in_flight(self) -> bool:
+        return any(p is not None for p in self._awaiting)
 
-    def serve(self) -> None:
-        """Ranks other than the coordinator: follow the pipeline until it stops."""
-        if self.groups.node == 0:
-            self._stage0_follower()
-        else:
-            self._stage_loop()
-
-    def run_until_done(self) -> None:
-        """Coordinator: cycle microbatches until every request has ended, then stop."""
-        inflight = [None] * self.num_microbatches
-        while self.has_unfinished_requests() or any(p is not None for p in inflight):
-            if not self.scheduler.has_work() and not any(p is not None for p in inflight):
-                self._wait_for_arrival()
-            for m in range(self.num_microbatches):
-                if inflight[m] is not None:
-                    self._receive_tokens(inflight[m])
-                    inflight[m] = None
-                plan = self._plan_for(m)
-                if plan is not None:
-                    self._tick(plan)
-                    inflight[m] = plan if plan.num_requests else None
-        self._tick(StepPlan.stop_plan(1))
-        self.executor.flush()
+    def _lead(self) -> List[int]:
+        """One tick: book microbatch m's tokens if its step is in flight, then plan and
+        issue its next step; the next tick serves microbatch m + 1."""
+        m = self._cursor
+        self._cursor = (m + 1) % self.num_microbatches
+        finished = []
+        if self._awaiting[m] is not None:
+            plan, self._awaiting[m] = self._awaiting[m], None
+            finished = self._book_keep(plan, self.executor.receive_tokens(plan))
+        plan = self._plan_for(m)
+        if plan is not None:
+            self._issue(plan)
+            self._awaiting[m] = plan if plan.num_requests else None
+        return finished
 
     def _plan_for(self, m: int) -> Optional[StepPlan]:
         self._release_due()
         result = self.scheduler.schedule()
         for req in result.admitted:  # join the smallest microbatch, for good
             sizes = [0] * self.num_microbatches
-            for rid in self.microbatch_of_running():
+            for rid in self._running_ids():
                 sizes[self.microbatch_of[rid]] += 1
             self.microbatch_of[req.request_id] = min(range(len(sizes)), key=lambda i: (sizes[i], i))
         batch = [r for r in result.batch if self.microbatch_of[r.request_id] == m]
@@ -198,67 +229,39 @@ class PPInferenceEngine(TKNPInferenceEngine):
         self._step += 1
         return build_plan(self._step, batch, result.admissions, 1, self.config.record_logits)
 
-    def microbatch_of_running(self):
+    def _running_ids(self) -> List[int]:
+        """Running requests already placed in a microbatch."""
         return [r.request_id for reqs in self.scheduler.running for r in reqs
                 if r.request_id in self.microbatch_of]
 
-    def _tick(self, plan: StepPlan) -> None:
-        """Coordinator's stage-0 work for one plan (also sends it down the pipeline)."""
+    def _issue(self, plan: StepPlan) -> None:
+        """Coordinator: hand ``plan`` to stage 0's other TP ranks, run stage 0's share."""
+        self._to_stage0(plan)
+        self.executor.execute(plan)
+
+    def shutdown(self) -> None:
+        """Coordinator: stop the pipeline (every stage returns from :meth:`serve`)."""
+        self._require_coordinator("shutdown")
+        stop = StepPlan.stop_plan(1)
+        self._to_stage0(stop)
+        self.executor.stop(stop)
+
+    def _to_stage0(self, plan: StepPlan) -> None:
         if self.groups.tp_size > 1:
             dist.broadcast_object_list([plan], src=self.groups.coordinator_rank,
                                        group=self.groups.tp_group)
-        self._stage0_run(plan)
 
-    def _stage0_run(self, plan: StepPlan) -> None:
-        ex = self.executor
-        out = None if plan.stop else ex.run(plan, None)
-        if ex.num_stages > 1:
-            ex.send_next(plan, out)
-        elif not plan.stop:
-            self._local_tokens = out
-
-    def _stage0_follower(self) -> None:
-        """Stage 0's other TP ranks: take each plan from the coordinator and run it."""
-        while True:
+    def _follow(self) -> bool:
+        """One plan on a rank other than the coordinator: stage 0's other TP ranks take it
+        from the coordinator, later stages from the previous stage; False on the stop plan."""
+        if self.groups.node == 0:
             box = [None]
-            dist.broadcast_object_list(box, src=self.groups.coordinator_rank,
-                                       group=self.groups.tp_group)
-            self._stage0_run(box[0])
-            if box[0].stop:
-                self.executor.flush()
-                return
-
-    def _stage_loop(self) -> None:
-        """Stages 1..N-1: receive, run, pass on (the last returns tokens)."""
-        ex = self.executor
-        last = ex.num_stages - 1
-        while True:
-            plan, hidden = ex.recv_prev()
-            if plan.stop:
-                if ex.stage < last:
-                    ex.send_next(plan, None)
-                ex.flush()
-                return
-            out = ex.run(plan, hidden)
-            if ex.stage < last:
-                ex.send_next(plan, out)
-            elif plan.num_requests and self.groups.tp_rank == 0:  # tokens go to the coordinator
-                tokens, logits = out
-                dist.send(tokens, self.groups.coordinator_rank)
-                if plan.record_logits:
-                    dist.send(logits.contiguous(), self.groups.coordinator_rank)
-
-    def _receive_tokens(self, plan: StepPlan) -> None:
-        """Coordinator: the sampled tokens of ``plan`` from the last stage; book-keep."""
-        n = plan.num_requests
-        if self.executor.num_stages == 1:
-            tokens, logits = self._local_tokens
+            dist.broadcast_object_list(box, src=self.groups.coordinator_rank, group=self.groups.tp_group)
+            plan = box[0]
         else:
-            src = self.groups.global_rank(self.executor.num_stages - 1, 0)
-            tokens = torch.empty(n, dtype=torch.int64, device=self.device)
-            dist.recv(tokens, src)
-            logits = None
-            if plan.record_logits:
-                logits = torch.empty(n, self.preset.vocab_size, dtype=torch.float32, device=self.device)
-                dist.recv(logits, src)
-        self._book_keep(plan, StepOutput(tokens, logits if plan.record_logits else None))
+            plan = self.executor.receive_plan()
+        if plan.stop:
+            self.executor.stop(plan)
+            return False
+        self.executor.execute(plan)
+        return True

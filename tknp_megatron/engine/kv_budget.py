@@ -20,24 +20,24 @@ from tknp_megatron.kv_cache import KVCacheSpec
 __all__ = ["budget_blocks", "kv_cache_spec", "pool_block_counts"]
 
 
-def budget_blocks(bytes_per_block: int, econf, device: torch.device) -> int:
+def budget_blocks(bytes_per_block: int, engine_config, device: torch.device) -> int:
     """KV blocks this rank may allocate under the engine's budget."""
-    if econf.kv_tokens_per_node is not None:
-        return math.ceil(econf.kv_tokens_per_node / econf.block_size)
+    if engine_config.kv_tokens_per_node is not None:
+        return math.ceil(engine_config.kv_tokens_per_node / engine_config.block_size)
     if device.type != "cuda":
         raise ValueError("kv_tokens_per_node is required off GPU (no free-memory measure)")
     free, total = torch.cuda.mem_get_info(device)
-    budget = free - (1.0 - econf.gpu_memory_utilization) * total
-    if econf.gpu_memory_cap_gib is not None:  # pretend the GPU holds only this much
-        budget = min(budget, econf.gpu_memory_cap_gib * 2**30 - torch.cuda.memory_allocated(device))
+    budget = free - (1.0 - engine_config.gpu_memory_utilization) * total
+    if engine_config.gpu_memory_cap_gib is not None:  # pretend the GPU holds only this much
+        budget = min(budget, engine_config.gpu_memory_cap_gib * 2**30 - torch.cuda.memory_allocated(device))
     return max(0, int(budget // bytes_per_block))
 
 
 def kv_cache_spec(
     preset: ModelPreset,
-    config,
+    model_config,
     groups: TokenParallelGroups,
-    econf,
+    engine_config,
     device: torch.device,
     num_layers: Optional[int] = None,
 ) -> KVCacheSpec:
@@ -49,14 +49,14 @@ def kv_cache_spec(
     probe = KVCacheSpec(
         num_layers=preset.num_layers if num_layers is None else num_layers,
         num_blocks=1,
-        block_size=econf.block_size,
+        block_size=engine_config.block_size,
         local_kv_heads=preset.local_kv_heads(groups.tp_size),
         head_dim=preset.kv_channels,
-        dtype=config.params_dtype,
-        max_slots=econf.max_requests_per_node,
-        max_blocks_per_seq=math.ceil(preset.gpt.max_sequence_length / econf.block_size),
+        dtype=model_config.params_dtype,
+        max_slots=engine_config.max_requests_per_node,
+        max_blocks_per_seq=math.ceil(preset.gpt.max_sequence_length / engine_config.block_size),
     )
-    blocks = budget_blocks(probe.bytes_per_block, econf, device)
+    blocks = budget_blocks(probe.bytes_per_block, engine_config, device)
     if blocks < 1:
         raise RuntimeError(
             f"node {groups.node} rank {groups.tp_rank}: no memory left for the KV cache "

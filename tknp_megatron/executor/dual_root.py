@@ -25,9 +25,10 @@ from typing import List, Optional
 
 import torch
 
+from tknp_megatron.executor.base import StepOutput
 from tknp_megatron.executor.dense import finish_layer, qkv_projection
 from tknp_megatron.executor.step_inputs import StepInputs, pad_plan, prepare_inputs
-from tknp_megatron.executor.tknp import StepOutput, TKNPExecutor
+from tknp_megatron.executor.tknp import TKNPExecutor
 from tknp_megatron.plan import StepPlan
 
 __all__ = ["DualRootExecutor"]

@@ -1,6 +1,6 @@
 """One TKNP step over all layers, run by every rank in its role for each layer.
 
-For layer l with active root b(l) (DESIGN section 7):
+For layer l with active root b(l):
   root:   input norm + QKV projection for the whole batch (TP inside the node)
   comm:   scatter each owner's QKV rows (matching TP ranks)
   owners: RoPE, append K/V to the local paged cache, attention for their own requests
@@ -15,20 +15,20 @@ work, so decode steps replay it from CUDA graphs (:mod:`tknp_megatron.executor.c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from parallel_state import TokenParallelGroups
 from tknp_megatron.attention import AttentionBackend
+from tknp_megatron.executor.base import StepOutput
 from tknp_megatron.executor.comm import TokenParallelComm
 from tknp_megatron.executor.dense import finish_layer, qkv_projection, vocab_logits
+from tknp_megatron.executor.ingest import Admitter, KVIngest, KVSlice
 from tknp_megatron.executor.owner_attention import OwnerAttention
 from tknp_megatron.executor.rope import Rope
 from tknp_megatron.executor.step_inputs import StepInputs, pad_plan, prepare_inputs
-from tknp_megatron.executor.synthetic import synthetic_kv
 from tknp_megatron.kv_cache import PagedKVCache
 from tknp_megatron.models.model import StageModel
 from tknp_megatron.placement import Placement
@@ -36,19 +36,11 @@ from tknp_megatron.plan import Admission, StepPlan
 from tknp_megatron.profiler import PhaseTimer
 from tknp_megatron.sampling import SamplingTensors, greedy, sample
 
-__all__ = ["StepOutput", "TKNPExecutor", "draw_tokens"]
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    """Sampled tokens ``[R]`` (batch order) and, if recorded, logits ``[R, vocab]``."""
-
-    tokens: torch.Tensor
-    logits: Optional[torch.Tensor] = None
+__all__ = ["TKNPExecutor", "draw_tokens"]
 
 
 class TKNPExecutor:
-    """Runs step plans for one rank.
+    """Runs step plans for one rank (an :class:`~tknp_megatron.executor.base.Executor`).
 
     Args:
         model: the blocks this rank stores (Megatron modules).
@@ -59,6 +51,7 @@ class TKNPExecutor:
         attention: attention backend for owners.
         vocab_size: unpadded vocabulary (padded logits are cut before sampling).
         device: this rank's device.
+        ingest: where outside KV of admitted requests comes from (None: synthetic only).
     """
 
     def __init__(
@@ -71,6 +64,7 @@ class TKNPExecutor:
         attention: AttentionBackend,
         vocab_size: int,
         device: torch.device,
+        ingest: Optional[KVIngest] = None,
     ):
         cfg = model.config
         self.model, self.placement, self.groups, self.kv = model, placement, groups, kv
@@ -79,14 +73,16 @@ class TKNPExecutor:
         self.node = groups.node
         t = groups.tp_size
         self.heads = cfg.num_attention_heads // t
-        self.groups_local = cfg.num_query_groups // t
+        self.local_kv_heads = cfg.num_query_groups // t
         self.head_dim = cfg.kv_channels
-        self.attend = OwnerAttention(kv, rope, attention, self.heads, self.groups_local, self.head_dim)
+        self.attend = OwnerAttention(kv, rope, attention, self.heads, self.local_kv_heads, self.head_dim)
         self.qkv_width = self.attend.qkv_width
         self.hidden_size = cfg.hidden_size
         self.dtype = cfg.params_dtype
         self.last_root = placement.root_of_layer(placement.num_layers - 1)
-        self.local_ingest = {}  # request id -> KV the coordinator keeps for itself
+        kv_slice = KVSlice.tp_heads(range(placement.num_layers), groups.tp_rank, t, self.local_kv_heads,
+                                    self.head_dim)  # an owner keeps every layer of its requests
+        self.admitter = Admitter(kv, kv_slice, device, owner=self.node, ingest=ingest)
         self.graphs = None  # set by enable_cuda_graphs
         self.last_tokens: Optional[torch.Tensor] = None  # [R] previous step's tokens (device)
 
@@ -144,31 +140,9 @@ class TKNPExecutor:
         return self.forward(inputs)[0]
 
     # ---------------------------------------------------------------- owner side
-    def apply_admissions(self, admissions: tuple) -> None:
-        """Write newly admitted requests' block tables (and ingested KV) on their owner."""
-        for adm in admissions:
-            if adm.owner != self.node:
-                continue
-            self.kv.assign(adm.slot, adm.blocks)
-            if adm.ingest_len:
-                self.kv.ingest(adm.slot, self._ingested_kv(adm))
-
-    def _ingested_kv(self, adm: Admission) -> torch.Tensor:
-        """KV for the admitted request's first ``ingest_len`` tokens, this rank's heads."""
-        shape = (self.placement.num_layers, 2, adm.ingest_len, self.groups_local, self.head_dim)
-        if adm.synthetic_seed is not None:
-            g = self.groups_local
-            heads = range(self.groups.tp_rank * g, (self.groups.tp_rank + 1) * g)
-            return synthetic_kv(
-                adm.synthetic_seed, range(self.placement.num_layers),
-                torch.arange(adm.ingest_len, device=self.device), heads, g * self.groups.tp_size, self.head_dim,
-                self.kv.spec.dtype, self.device,
-            )
-        if adm.request_id in self.local_ingest:  # the coordinator owns it
-            return self.local_ingest.pop(adm.request_id)
-        buf = torch.empty(shape, dtype=self.kv.spec.dtype, device=self.device)
-        dist.recv(buf, src=self.groups.coordinator_rank)  # each rank gets its heads (engine.py)
-        return buf
+    def apply_admissions(self, admissions: Sequence[Admission]) -> None:
+        """Write this node's newly admitted requests' block tables (and ingested KV)."""
+        self.admitter.apply(admissions)
 
     # ---------------------------------------------------------------- root side
     def _hidden_buffer(self, rows: int) -> torch.Tensor:

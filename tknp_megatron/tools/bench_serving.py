@@ -29,9 +29,10 @@ import torch.distributed as dist
 
 from tknp_megatron.config import dtype_from_name, get_preset  # noqa: E402
 from tknp_megatron.launch import init_distributed, spawn  # noqa: E402
+from tknp_megatron.mode import Mode  # noqa: E402
 
-MODES = ("tknp", "dp", "tp", "pp", "dcp")
-EXTRA_MODES = ("tknp-dual",)  # on request: dual-active-root microbatching
+MODES = tuple(m.value for m in (Mode.TKNP, Mode.DP, Mode.TP, Mode.PP, Mode.DCP))
+EXTRA_MODES = (Mode.TKNP_DUAL.value,)  # on request: dual-active-root microbatching
 
 
 def parse_args(argv=None):
@@ -94,8 +95,8 @@ def _runs(args):
 
 def worker(rank, world, args):
     warnings.simplefilter("ignore")
-    from tknp_megatron.analysis.serving import Mode, run_mode
-    from tknp_megatron.engine.engine import EngineConfig
+    from tknp_megatron.analysis.serving import run_mode
+    from tknp_megatron.engine.config import EngineConfig
 
     device = torch.device("cpu")
     if args.device == "cuda":
@@ -231,7 +232,7 @@ def main(argv=None) -> int:
             report(rows, Path(args.out))
         dist.barrier()
         if args.device == "cuda":
-            os._exit(0)  # NCCL teardown after graph capture can hang on the H200 hosts: skip it
+            os._exit(0)  # NCCL teardown after graph capture can hang: skip it, the run is written
         dist.destroy_process_group()
     else:
         rows = spawn(worker, args.world, (args,), timeout_s=1800)[0]

@@ -52,25 +52,28 @@ def parse_args():
 
 
 def setup(args):
-    """Groups, model, KV cache and executor for the largest shape."""
+    """Groups, model, KV cache and executor for the largest shape.
+
+    The model comes from the engine factory; the KV cache is sized here (every slot
+    holds the longest context, block tables as wide as it, not the model's maximum), so
+    the executor is built directly rather than through an engine.
+    """
     import parallel_state as ps
     from tknp_megatron.attention import get_backend
     from tknp_megatron.config import get_preset
+    from tknp_megatron.engine.factory import Mode, build_model, load_weights, placement_for
     from tknp_megatron.executor.rope import Rope
     from tknp_megatron.executor.tknp import TKNPExecutor
     from tknp_megatron.kv_cache import KVCacheSpec, PagedKVCache
-    from tknp_megatron.models.model import build_rank_model
-    from tknp_megatron.models.weights import fill_seeded_
-    from tknp_megatron.placement import balanced_placement
 
     groups = ps.initialize_model_parallel(tensor_model_parallel_size=1)
     cuda = not args.dry_run
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     preset = get_preset(args.model).replace(num_layers=args.layers)
-    placement = balanced_placement(preset, groups.num_nodes)
-    model = build_rank_model(preset, placement, groups, dtype, device)
-    fill_seeded_(model, preset, seed=0)
+    placement = placement_for(Mode.TKNP, preset, groups)
+    model = build_model(Mode.TKNP, preset, placement, groups, dtype, device)
+    load_weights(model, preset, 0)
     n = groups.num_nodes
     per_owner = -(-max(args.batches) // n)
     blocks_per_req = -(-max(args.contexts) // args.block_size) + 1
@@ -300,7 +303,7 @@ def main():
                     print(f"    {k['ms']:8.3f} ms  x{k['calls']:<6.0f} {k['name']}")
         sys.stdout.flush()
     dist.barrier()
-    os._exit(0)  # NCCL teardown after capturing P2P can hang
+    os._exit(0)  # NCCL teardown after capturing P2P can hang: skip it, the report is written
 
 
 if __name__ == "__main__":

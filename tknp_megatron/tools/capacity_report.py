@@ -22,7 +22,6 @@ from typing import List, Optional
 
 from tknp_megatron.analysis.costmodel import (  # noqa: E402
     Capacity,
-    Layout,
     NodeBudget,
     budget_from_measurement,
     budget_from_preset,
@@ -30,6 +29,7 @@ from tknp_megatron.analysis.costmodel import (  # noqa: E402
     placement_shares,
 )
 from tknp_megatron.config import get_preset  # noqa: E402
+from tknp_megatron.mode import Mode  # noqa: E402
 from tknp_megatron.placement import ModelBytes, model_bytes  # noqa: E402
 
 FP8_RECIPES = {
@@ -94,7 +94,7 @@ def to_json(args: argparse.Namespace, caps: List[Capacity]) -> dict:
     budget = _budget(args, _weights(args))
     nodes = {}
     for cap in caps:
-        row = {layout.value: _round(cap.of(layout)) for layout in Layout}
+        row = {mode.field: _round(cap.of(mode)) for mode in Mode}
         row["tknp_over_dp"] = _round(cap.tknp_over_dp, 4)
         nodes[str(cap.num_nodes)] = row
     inputs = {
@@ -119,10 +119,10 @@ def to_table(args: argparse.Namespace, caps: List[Capacity]) -> str:
     cols = "".join(f"{str(c.num_nodes) + (' node' if c.num_nodes == 1 else ' nodes'):>11}"
                    for c in caps)
     lines = [head, f"{'layout':<10}{cols}"]
-    for layout in Layout:
-        cells = "".join(f"{'-' if c.of(layout) is None else f'{c.of(layout):.1f}':>11}"
+    for mode in Mode:
+        cells = "".join(f"{'-' if c.of(mode) is None else f'{c.of(mode):.1f}':>11}"
                         for c in caps)
-        lines.append(f"{layout.value:<10}{cells}")
+        lines.append(f"{mode.field:<10}{cells}")
     ratios = "".join(f"{'-' if c.tknp_over_dp is None else f'{c.tknp_over_dp:.2f}x':>11}"
                      for c in caps)
     lines.append(f"{'tknp/dp':<10}{ratios}")

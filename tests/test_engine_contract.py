@@ -1,0 +1,129 @@
+"""The engine contract without a pool: every executor honours ``Executor``, every engine the
+shared surface; one ``Mode``; the factory's config and weight rules; each mode's slice
+of the synthetic KV against slicing the whole cache (seeded, randomised shapes)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from tknp_megatron.baselines.dcp import DCPExecutor, DCPInferenceEngine
+from tknp_megatron.baselines.pp import PPExecutor, PPInferenceEngine
+from tknp_megatron.engine.base import InferenceEngine
+from tknp_megatron.engine.config import EngineConfig
+from tknp_megatron.engine.engine import TKNPInferenceEngine
+from tknp_megatron.engine.factory import Mode, build_engine, engine_config_for, load_weights
+from tknp_megatron.executor.base import Executor
+from tknp_megatron.executor.dual_root import DualRootExecutor
+from tknp_megatron.executor.ingest import Admitter, KVIngest, KVSlice
+from tknp_megatron.executor.synthetic import synthetic_kv
+from tknp_megatron.executor.tknp import TKNPExecutor
+from tknp_megatron.plan import Admission
+
+SURFACE = ("add_request", "step", "generate", "run_until_done", "serve", "shutdown",
+           "has_unfinished_requests", "metrics", "result")
+
+
+@pytest.mark.parametrize("cls", [TKNPExecutor, DualRootExecutor, PPExecutor, DCPExecutor],
+                         ids=lambda c: c.__name__)
+def test_every_executor_is_an_executor(cls):
+    assert issubclass(cls, Executor)
+
+
+@pytest.mark.parametrize("cls", [TKNPInferenceEngine, PPInferenceEngine, DCPInferenceEngine],
+                         ids=lambda c: c.__name__)
+def test_every_engine_has_the_whole_surface(cls):
+    assert issubclass(cls, InferenceEngine) and not cls.__abstractmethods__
+    assert all(callable(getattr(cls, name)) for name in SURFACE)
+
+
+def test_one_mode_enum_two_spellings():
+    assert [m.value for m in Mode] == ["dp", "tp", "pp", "dcp", "tknp", "tknp-dual"]
+    assert Mode("tknp_dual") is Mode("tknp-dual") is Mode.TKNP_DUAL
+    assert Mode.TKNP_DUAL.field == "tknp_dual" and Mode.DP.field == "dp"
+    assert Mode.TKNP.pool_shape(8, 2) == (1, 4, 2)
+    assert Mode.DP.pool_shape(8, 2) == (4, 1, 2)
+    assert Mode.DCP.pool_shape(8, 2) == (1, 1, 8)
+    with pytest.raises(ValueError):
+        Mode("tknp dual")
+
+
+def test_engine_config_per_mode():
+    base = EngineConfig(cuda_graphs=True)
+    assert engine_config_for(Mode.TKNP_DUAL, base).microbatches == 2
+    assert engine_config_for(Mode.TKNP, base) is base
+    assert not engine_config_for("pp", base).cuda_graphs
+    assert not engine_config_for(Mode.DCP, base).cuda_graphs
+    with pytest.raises(ValueError, match="tknp-dual"):
+        engine_config_for(Mode.TKNP, EngineConfig(microbatches=2))
+
+
+def test_weights_and_one_node_modes_are_checked():
+    seen = []
+    load_weights(torch.nn.Linear(2, 2), None, seen.append)
+    assert len(seen) == 1
+    with pytest.raises(TypeError, match="seed, a checkpoint path or a loader"):
+        load_weights(torch.nn.Linear(2, 2), None, 1.5)
+    groups = types.SimpleNamespace(num_nodes=2)
+    with pytest.raises(ValueError, match="one node"):
+        build_engine(Mode.DP, None, groups, EngineConfig(), torch.device("cpu"), torch.float32)
+
+
+def _full(seed, layers, length, heads, dim):
+    return synthetic_kv(seed, range(layers), torch.arange(length), range(heads), heads, dim,
+                        torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_each_mode_keeps_its_slice_of_the_synthetic_kv(trial):
+    gen = torch.Generator().manual_seed(trial)
+    layers, length, tp, dim = (int(torch.randint(lo, hi, (1,), generator=gen)) for lo, hi in
+                               ((2, 6), (1, 140), (1, 4), (2, 9)))
+    local = int(torch.randint(1, 3, (1,), generator=gen))
+    heads, seed, cpu = tp * local, trial + 7, torch.device("cpu")
+    full = _full(seed, layers, length, heads, dim)
+    for t in range(tp):  # TKNP owner / PP stage: the TP rank's heads (of some layers)
+        mine = range(t * local, (t + 1) * local)
+        kept = list(range(layers))[t % layers:]
+        assert KVSlice.tp_heads(kept, t, tp, local, dim) == KVSlice(kept, mine, heads, dim)
+        got = KVSlice(kept, mine, heads, dim).synthetic(seed, length, torch.float32, cpu)
+        assert torch.equal(got, full[kept][:, :, :, t * local : (t + 1) * local])
+    degree = tp + 1
+    for shard in range(degree):  # DCP: every D-th position of one head
+        kv_slice = KVSlice(range(layers), (heads - 1,), heads, dim, shard=shard, num_shards=degree)
+        got = kv_slice.synthetic(seed, length, torch.float32, cpu)
+        assert got.shape == kv_slice.shape(length)
+        assert torch.equal(got, full[:, :, shard::degree, heads - 1 :])
+
+
+class _FakeCache:
+    spec = types.SimpleNamespace(dtype=torch.float32)
+
+    def __init__(self):
+        self.assigned, self.ingested = [], {}
+
+    def assign(self, slot, blocks):
+        self.assigned.append(slot)
+
+    def ingest(self, slot, kv):
+        self.ingested[slot] = kv
+
+
+def test_admitter_owner_filter_and_coordinator_ingest():
+    groups = types.SimpleNamespace(tp_size=1, coordinator_rank=0, global_rank=lambda node, t: node)
+    ingest = KVIngest(groups, 2, torch.float32, torch.device("cpu"))
+    kv_slice = KVSlice(range(3), range(2), 2, 4)
+    outside = torch.randn(3, 2, 5, 2, 4)
+    admissions = [Admission(0, 0, 0, (0,), ingest_len=5), Admission(1, 1, 0, (1,)),
+                  Admission(2, 0, 1, (2,), ingest_len=4, synthetic_seed=3)]
+    ingest.send(admissions[0], outside)  # node 0 is the coordinator: kept, not sent
+    cache = _FakeCache()
+    Admitter(cache, kv_slice, torch.device("cpu"), owner=0, ingest=ingest).apply(admissions)
+    assert cache.assigned == [0, 1]
+    assert torch.equal(cache.ingested[0], outside)
+    assert torch.equal(cache.ingested[1], kv_slice.synthetic(3, 4, torch.float32, torch.device("cpu")))
+    every = _FakeCache()
+    Admitter(every, kv_slice, torch.device("cpu")).apply(admissions[1:2])
+    assert every.assigned == [0]
