@@ -159,14 +159,7 @@ class AttentionBackend(abc.ABC):
     __call__ = forward
 
     @abc.abstractmethod
-    def _forward(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
+    def _forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Backend-specific work on validated, non-empty inputs (same contract as forward)."""
 
     def __repr__(self) -> str:

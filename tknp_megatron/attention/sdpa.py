@@ -29,21 +29,11 @@ def _sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-def sdpa_paged(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """Paged causal attention through ``scaled_dot_product_attention``.
-
-    Args:
-        q: ``[rows, Hq, d]``; k_cache, v_cache: ``[num_blocks, block_size, Hkv, d]``.
-
-    Returns:
-        ``[rows, Hq, d]`` in ``q.dtype``.
-    """
+def sdpa_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Paged causal attention through ``scaled_dot_product_attention``: ``q`` ``[rows, Hq,
+    d]`` over ``k_cache`` / ``v_cache`` ``[num_blocks, block_size, Hkv, d]`` -> ``[rows, Hq,
+    d]`` in ``q.dtype``."""
     num_req, max_q, max_k = meta.num_requests, meta.max_query_len, meta.max_seq_len
     req, idx, _ = row_requests(meta, q.shape[0])
     q_pad = q.new_zeros((num_req, max_q, q.shape[1], q.shape[2]))

@@ -46,14 +46,7 @@ class TorchReferenceBackend(AttentionBackend):
 
     name = "torch"
 
-    def _forward(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
+    def _forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         block_size = k_cache.shape[1]
         starts = meta.query_start_loc.tolist()
         lengths = meta.seq_lens.tolist()

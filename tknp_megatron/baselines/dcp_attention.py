@@ -22,17 +22,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from tknp_megatron.attention import (
-    AttentionMetadata,
-    TritonConfig,
-    choose_num_splits,
-    decode_group_pad,
-    device_num_sms,
-    interpreter_upcast,
-    load_kernels,
-    triton_importable,
-    triton_supports_device,
-)
+from tknp_megatron.attention import AttentionMetadata
+from tknp_megatron.attention import triton_paged as paged  # the decode kernel's launch helpers
 from tknp_megatron.attention.paging import gather_pages
 
 __all__ = [
@@ -41,7 +32,7 @@ __all__ = [
     "merge_partials",
 ]
 
-_TRITON = TritonConfig()  # launch parameters and split heuristic of the Triton decode path
+_TRITON = paged.TritonConfig()  # launch parameters and split heuristic of the Triton decode path
 
 
 @dataclass(frozen=True, eq=False)
@@ -110,7 +101,7 @@ def partial_attention(
 def triton_decode_usable(device: torch.device) -> bool:
     """Whether :func:`partial_attention_triton` can run on ``device`` (host only): CUDA, or
     ``TRITON_INTERPRET=1``, and ``triton`` importable."""
-    return triton_supports_device(device) and triton_importable()
+    return paged.triton_supports_device(device) and paged.triton_importable()
 
 
 def decode_metadata(meta: ShardMetadata) -> AttentionMetadata:
@@ -175,15 +166,16 @@ def partial_attention_triton(
     q = q.to(k_cache.dtype)
     q = q if q.stride(-1) == 1 else q.contiguous()
     num_kv_heads = k_cache.shape[2]
-    splits = choose_num_splits(rows * num_kv_heads, meta.max_local_len, device_num_sms(q.device), _TRITON)
+    sms = paged.device_num_sms(q.device)
+    splits = paged.choose_num_splits(rows * num_kv_heads, meta.max_local_len, sms, _TRITON)
     part = torch.empty((rows, heads, splits, d), dtype=torch.float32, device=q.device)
     lse2 = torch.empty((rows, heads, splits), dtype=torch.float32, device=q.device)
-    load_kernels().launch_paged_attention(
+    paged.load_kernels().launch_paged_attention(
         q, k_cache, v_cache, part, lse2, decode_metadata(meta) if meta.kernel is None else meta.kernel, scale,
         num_tiles=rows, num_splits=splits, block_q=1,
-        group_pad=decode_group_pad(heads, num_kv_heads),
+        group_pad=paged.decode_group_pad(heads, num_kv_heads),
         block_n=_TRITON.block_n, num_warps=_TRITON.num_warps, num_stages=_TRITON.num_stages,
-        upcast=interpreter_upcast(q.dtype),
+        upcast=paged.interpreter_upcast(q.dtype),
     )
     return _merge_splits(part, lse2)
 
