@@ -52,7 +52,9 @@ def parse_args(argv=None):
     p.add_argument("--mixed-scale", type=float, default=1.0 / 256)
     p.add_argument("--burst", action="store_true", help="also the mixed trace as one burst")
     p.add_argument("--gpu-memory-gib", type=float, default=None, help="per-GPU memory cap")
-    p.add_argument("--kv-tokens-per-node", type=int, default=None, help="KV budget (CPU)")
+    p.add_argument("--kv-tokens-per-node", type=int, default=None,
+                   help="KV budget per node (CPU default: half the largest trace's reservations; "
+                        "GPU default: free memory)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--cuda-graphs", action="store_true")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -64,7 +66,20 @@ def parse_args(argv=None):
                    help="rebuild the table, CSV/JSON and plots from --out's partial.jsonl")
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    if args.device == "cpu" and args.kv_tokens_per_node is None and not args.report_only:
+        args.kv_tokens_per_node = default_cpu_kv_budget(args)
     return args
+
+
+def default_cpu_kv_budget(args) -> int:
+    """A CPU run has no free-memory measure: per node, half of the largest trace's
+    reservations (at least its largest request), so traces admit in waves as on a GPU."""
+    nodes = max(1, args.world // args.tp)
+    worst = 0
+    for _, _, _, trace in _traces(args):
+        need = [r.prompt_len + r.output_len for r in trace.requests]
+        worst = max(worst, -(-sum(need) // (2 * nodes)), max(need))
+    return -(-worst // args.block_size) * args.block_size
 
 
 def _traces(args):
@@ -126,8 +141,12 @@ def _save_partial(row: dict, out_dir: Path) -> None:
 
 
 def _roofline(mode, preset, trace, world, args):
-    """Predicted step time at a run's mean resident batch and mean context."""
+    """Predicted step time at a run's mean resident batch and mean context; None off GPU
+    (the roofline is calibrated on H200s)."""
     from tknp_megatron.analysis.roofline import predicted_step_s
+
+    if args.device != "cuda":
+        return None
 
     n = len(trace.requests)
     context = sum(r.prompt_len + r.output_len / 2 for r in trace.requests) / n
@@ -136,15 +155,19 @@ def _roofline(mode, preset, trace, world, args):
 
 def _row(label, ctx, batch, rate, run, predict) -> dict:
     m = run.metrics
-    predicted = predict(run.resident_batch_mean) if run.resident_batch_mean else float("nan")
+    predicted = None
+    if predict is not None and run.resident_batch_mean:
+        predicted = predict(run.resident_batch_mean)
+    md = m.as_dict()  # NaN (nothing measured) as None: the rows are strict JSON
+    itl_p50 = md["itl_s_p50"]
     return dict(mode=label.upper(), context=ctx, offered_batch=batch, arrival_rate=rate,
-                completion_throughput_tok_s=m.completion_throughput_tok_s,
-                queue_wait_s_mean=m.queue_wait_s_mean, itl_s_p95=m.itl_s_p95,
-                completion_time_s_mean=m.completion_time_s_mean, slo_attainment=m.slo_attainment,
-                waves=m.waves, completed=m.completed, rejected=m.rejected,
-                resident_batch_mean=run.resident_batch_mean, step_ms_measured=1e3 * m.itl_s_p50,
-                step_ms_predicted=1e3 * predicted,
-                measured_over_predicted=m.itl_s_p50 / predicted if predicted == predicted else None,
+                **{k: md[k] for k in ("completion_throughput_tok_s", "queue_wait_s_mean", "itl_s_p95",
+                                      "completion_time_s_mean", "slo_attainment", "waves",
+                                      "completed", "rejected")},
+                resident_batch_mean=run.resident_batch_mean,
+                step_ms_measured=None if itl_p50 is None else 1e3 * itl_p50,
+                step_ms_predicted=None if predicted is None else 1e3 * predicted,
+                measured_over_predicted=None if None in (predicted, itl_p50) else itl_p50 / predicted,
                 kv_capacity_tokens=[list(c) for c in run.kv_capacity_tokens],
                 host_ms_per_step=list(run.host_ms_per_step), wait_ms_per_step=list(run.wait_ms_per_step),
                 outputs=[list(o) for o in run.outputs])
@@ -175,12 +198,18 @@ def report(rows, out_dir: Path) -> None:
     for r in rows:
         ratio = r["measured_over_predicted"]
         print(f"{r['mode']:>9} {r['context']:>6} {r['offered_batch']:>5} {str(r['arrival_rate']):>6} "
-              f"{r['completion_throughput_tok_s']:>9.1f} {r['waves']:>5} {r['queue_wait_s_mean']:>8.3f} "
-              f"{1e3 * r['itl_s_p95']:>8.2f} {r['completion_time_s_mean']:>8.3f} "
-              f"{r['resident_batch_mean']:>8.1f} {r['step_ms_measured']:>8.2f} "
-              f"{r['step_ms_predicted']:>8.2f} {'n/a' if ratio is None else f'{ratio:.2f}':>9} "
+              f"{r['completion_throughput_tok_s']:>9.1f} {r['waves']:>5} "
+              f"{_num(r['queue_wait_s_mean'], '.3f'):>8} {_num(r['itl_s_p95'], '.2f', 1e3):>8} "
+              f"{_num(r['completion_time_s_mean'], '.3f'):>8} {r['resident_batch_mean']:>8.1f} "
+              f"{_num(r['step_ms_measured'], '.2f'):>8} {_num(r['step_ms_predicted'], '.2f'):>8} "
+              f"{_num(ratio, '.2f'):>9} "
               f"{_host_ms(r):>7} {_wait_ms(r):>8}")
     print("tokens agree across modes:", agree, flush=True)
+
+
+def _num(value, fmt: str, scale: float = 1.0) -> str:
+    """A table cell: ``value * scale`` formatted, or n/a where nothing was measured."""
+    return "n/a" if value is None else format(value * scale, fmt)
 
 
 def _host_ms(r) -> str:
