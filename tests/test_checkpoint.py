@@ -23,6 +23,7 @@ import warnings
 import pytest
 import torch
 
+from tests.helpers import save_gpt_checkpoint
 from tests.tknp_workers import Scenario, run_scenario
 from tknp_megatron.config import get_preset
 from tknp_megatron.launch import spawn
@@ -38,49 +39,6 @@ BIG = dict(num_layers=8, hidden_size=512, num_attention_heads=8, num_query_group
            ffn_hidden_size=2048, normalization="RMSNorm", gated_linear_unit=True,
            add_bias_linear=False, activation="silu", vocab_size=16000,
            max_sequence_length=256, name="big-ckpt")
-
-
-def _gpt_model(preset, tp: int):
-    """A real Megatron GPTModel at TP=tp (local spec, SDPA core attention shim)."""
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-
-    from tknp_megatron.models.cpu_shims import SDPACoreAttention
-    from tknp_megatron.models.model import (
-        _final_norm_spec,
-        layer_spec,
-        padded_vocab_size,
-    )
-
-    config = preset.to_transformer_config(tp, torch.float32, use_cpu_initialization=True)
-    spec = layer_spec(preset)
-    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
-    block = TransformerBlockSubmodules(
-        layer_specs=[spec] * preset.num_layers, layer_norm=_final_norm_spec(preset, False)
-    )
-    return GPTModel(config, block, vocab_size=padded_vocab_size(preset, tp),
-                    max_sequence_length=preset.gpt.max_sequence_length,
-                    position_embedding_type=preset.gpt.position_embedding_type,
-                    share_embeddings_and_output_weights=False).eval()
-
-
-def _save(preset, tp: int, ckpt_dir: str, seeded: bool = True) -> None:
-    from megatron.core import dist_checkpointing
-
-    import parallel_state as ps
-    from tknp_megatron.models.cpu_shims import cpu_torch_dist_save_strategy
-    from tknp_megatron.models.weights import fill_seeded_
-
-    ps.initialize_model_parallel(tp)
-    model = _gpt_model(preset, tp)
-    if seeded:
-        fill_seeded_(model, preset, SEED)
-    else:  # values do not matter (memory test): fast init
-        for p in model.parameters():
-            torch.nn.init.normal_(p, std=0.02)
-    dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir,
-                            sharded_strategy=cpu_torch_dist_save_strategy())
-    ps.destroy_model_parallel()
 
 
 def _serve(n: int, t: int, ckpt_dir: str):
@@ -108,7 +66,7 @@ def world2_worker(rank, world, ckpt_dir):
     from tknp_megatron.models.reference import build_reference_model, reference_generate
 
     preset = get_preset(SCENARIO.preset)
-    _save(preset, 2, ckpt_dir)
+    save_gpt_checkpoint(preset, 2, ckpt_dir, SEED)
     tknp = _serve(2, 1, ckpt_dir)
     ps.initialize_model_parallel(1)
     ref_model = build_reference_model(preset)
@@ -122,7 +80,7 @@ def world4_worker(rank, world, ckpt_dir, big_dir):
     """Serve the tiny checkpoint with (2, 2); save the big model at TP=4."""
     warnings.simplefilter("ignore")
     tknp = _serve(2, 2, ckpt_dir)
-    _save(preset_from_model_config(BIG), 4, big_dir, seeded=False)
+    save_gpt_checkpoint(preset_from_model_config(BIG), 4, big_dir, seed=None)  # values do not matter
     return tknp if rank == 0 else None
 
 

@@ -8,6 +8,8 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from tests.helpers import random_prompts
+
 
 @dataclass(frozen=True)
 class Scenario:
@@ -150,16 +152,10 @@ def run_scenario(engine, s: Scenario, kvs):
 SEED = 3
 
 
-def _prompts(n, lo, hi, seed, vocab=512):
-    g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
-    return tuple(tuple(torch.randint(0, vocab, (k,), generator=g).tolist()) for k in lens)
-
-
 def _scenarios():
-    mixed = _prompts(10, 2, 30, 1)
+    mixed = random_prompts(10, 2, 30, 1)
     max_new = (6, 3, 8, 1, 5, 7, 2, 6, 4, 8)  # requests finish at different steps
-    few = _prompts(3, 3, 9, 2)
+    few = random_prompts(3, 3, 9, 2)
     return [
         # tight budget (40 tokens a node, 192 reserved in all): several waves even on 4 nodes
         Scenario("llama-waves", "tiny", mixed, max_new, kv_tokens_per_node=40),

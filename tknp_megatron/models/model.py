@@ -76,7 +76,6 @@ def final_norm_spec(preset: ModelPreset, use_te: bool = False):
     ).submodules.input_layernorm
 
 
-_final_norm_spec = final_norm_spec  # old private name, still imported by tests/test_checkpoint.py
 
 
 class _Decoder(MegatronModule):
