@@ -16,6 +16,7 @@ import torch
 
 __all__ = [
     "random_prompts",
+    "assert_matches_reference",
     "reference_kvs",
     "spawn_runs",
     "TOKENIZER_SENTENCES",
@@ -35,6 +36,16 @@ def random_prompts(n: int, lo: int, hi: int, seed: int, vocab: int = 512) -> tup
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
     return tuple(tuple(torch.randint(0, vocab, (k,), generator=g).tolist()) for k in lens)
+
+
+def assert_matches_reference(results, reference, logits: bool = True) -> None:
+    """Each engine result completed with its reference's tokens and, with ``logits``, its
+    logits within 1e-4 (fp32)."""
+    for res, exp in zip(results, reference):
+        assert res.status.value == "completed", res.reject_reason
+        assert res.tokens == exp.tokens, f"request {res.request_id} on node {res.owner}"
+        if logits:
+            torch.testing.assert_close(res.logits, exp.logits, atol=1e-4, rtol=0)
 
 
 def reference_kvs(reference: dict) -> dict:

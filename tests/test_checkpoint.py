@@ -23,7 +23,7 @@ import warnings
 import pytest
 import torch
 
-from tests.helpers import save_gpt_checkpoint
+from tests.helpers import assert_matches_reference, save_gpt_checkpoint
 from tests.tknp_workers import Scenario, run_scenario
 from tknp_megatron.config import get_preset
 from tknp_megatron.launch import spawn
@@ -90,7 +90,12 @@ def memory_worker(rank, world, big_dir):
     import psutil
 
     import parallel_state as ps
-    from tknp_megatron.engine.factory import Mode, build_model, load_weights, placement_for
+    from tknp_megatron.engine.factory import (
+        Mode,
+        build_model,
+        load_weights,
+        placement_for,
+    )
     from tknp_megatron.models.checkpoint import checkpoint_padded_vocab_size
 
     preset = preset_from_model_config(BIG)
@@ -137,10 +142,7 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("shape", [(2, 1), (2, 2)], ids=lambda s: f"N{s[0]}T{s[1]}")
 def test_tknp_from_tp2_checkpoint_matches_reference(runs, shape):
-    for res, exp in zip(runs[shape]["results"], runs["ref"]):
-        assert res.status.value == "completed", res.reject_reason
-        assert res.tokens == exp.tokens
-        torch.testing.assert_close(res.logits, exp.logits, atol=1e-4, rtol=0)
+    assert_matches_reference(runs[shape]["results"], runs["ref"])
 
 
 def test_load_memory_is_per_block(runs):

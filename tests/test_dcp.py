@@ -24,7 +24,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tests.dcp_workers import DCPCase, dcp_worker, reference_worker  # noqa: E402
-from tests.helpers import random_prompts  # noqa: E402
+from tests.helpers import assert_matches_reference, random_prompts  # noqa: E402
 from tests.tknp_workers import Scenario  # noqa: E402
 from tknp_megatron.attention.torch_ref import attend_one_request  # noqa: E402
 from tknp_megatron.attention.triton_paged import TritonConfig  # noqa: E402
@@ -193,10 +193,7 @@ CASE_SCENARIOS = [(c, s) for c in CASES for s in SCENARIOS if s.name in c.scenar
 def test_matches_reference(dcp, dcp_reference, case, scenario):
     run = dcp[(case.name, scenario.name)][0]  # the coordinator's results
     gens, _ = dcp_reference[(case.base, case.kv_heads)]
-    for res, exp in zip(run["results"], gens[scenario.name]):
-        assert res.status.value == "completed", res.reject_reason
-        assert res.tokens == exp.tokens, f"request {res.request_id}"
-        torch.testing.assert_close(res.logits, exp.logits, atol=1e-4, rtol=0)
+    assert_matches_reference(run["results"], gens[scenario.name])
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

@@ -14,7 +14,12 @@ from tknp_megatron.baselines.pp import PPExecutor, PPInferenceEngine
 from tknp_megatron.engine.base import InferenceEngine
 from tknp_megatron.engine.config import EngineConfig
 from tknp_megatron.engine.engine import TKNPInferenceEngine
-from tknp_megatron.engine.factory import Mode, build_engine, engine_config_for, load_weights
+from tknp_megatron.engine.factory import (
+    Mode,
+    build_engine,
+    engine_config_for,
+    load_weights,
+)
 from tknp_megatron.executor.base import Executor
 from tknp_megatron.executor.dual_root import DualRootExecutor
 from tknp_megatron.executor.ingest import Admitter, KVIngest, KVSlice

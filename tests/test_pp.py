@@ -9,9 +9,8 @@ seeded sampling and bad input; outside KV other than synthetic is refused by nam
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tests.helpers import reference_kvs, spawn_runs
+from tests.helpers import assert_matches_reference, reference_kvs, spawn_runs
 from tests.tknp_workers import SCENARIOS, SEED, tknp_worker
 from tknp_megatron.mode import Mode
 
@@ -37,11 +36,7 @@ CASES = [(shape, s) for shape in SHAPES for s in PP_SCENARIOS]
 def test_pp_matches_reference(pp, reference, shape, scenario):
     run = pp[(*shape, scenario.name)]
     ref, _ = reference[scenario.name]
-    for res, exp in zip(run["results"][: len(scenario.prompts)], ref):
-        assert res.status.value == "completed", res.reject_reason
-        assert res.tokens == exp.tokens, f"request {res.request_id}"
-        if not scenario.graphs:
-            torch.testing.assert_close(res.logits, exp.logits, atol=1e-4, rtol=0)
+    assert_matches_reference(run["results"][: len(scenario.prompts)], ref, logits=not scenario.graphs)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"S{s[0]}T{s[1]}")
