@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import json
-from typing import Callable, List, Optional, Sequence
+import math
+import os
+import tempfile
+from typing import Callable, Dict, List, Optional, Sequence
 
 
-def _compare(results, reference) -> dict:
-    """Token match against the reference, and the largest logit difference."""
+def _compare(results, reference: Optional[Dict[int, object]]) -> dict:
+    """Token match against the reference (request index -> its generation, for the
+    requests the pool accepted), and the largest logit difference."""
     if reference is None:
         return dict(match_reference=None, token_match_rate=None, max_logit_diff=None)
     matched = total = 0
     max_diff = 0.0
-    for res, ref in zip(results, reference):
+    for res, ref in ((results[i], ref) for i, ref in sorted(reference.items())):
         n = min(len(res.tokens), len(ref.tokens))
         same = [a == b for a, b in zip(res.tokens, ref.tokens)]
         matched += sum(same)
@@ -70,10 +74,12 @@ def add_texts(report: dict, decode: Callable[[Sequence[int]], str]) -> None:
 
 
 def _f(x: Optional[float], unit: str = "", scale: float = 1.0) -> str:
-    return "n/a" if x is None else f"{x * scale:.3g}{unit}"
+    return "n/a" if x is None or math.isnan(x) else f"{x * scale:.3g}{unit}"
 
 
-def print_report(r: dict) -> None:
+def print_report(r: dict, show: int = 4) -> None:
+    """The summary table, the refusals, and the first ``show`` requests' outputs (text
+    with a tokenizer, else token ids)."""
     lines: List[str] = [
         f"TKNP decode: {r['model']} on {r['nodes']} nodes x TP{r['tp']} ({r['device']}, {r['dtype']})",
         f"weights: {r['weights']}",
@@ -96,11 +102,34 @@ def print_report(r: dict) -> None:
     ]
     for rid, why in r["reject_reasons"].items():
         lines.append(f"rejected: {why}")
-    for i, text in enumerate(r.get("texts", ())):
-        lines.append(f"output {i}: {text!r}")
+    outputs = r.get("texts") or r["outputs"]
+    for i, out in enumerate(outputs[: max(0, show)]):
+        lines.append(f"output {i}: {out!r}")
+    if len(outputs) > show > 0:
+        lines.append(f"({len(outputs) - show} more outputs: --show N, or --json FILE)")
     print("\n".join(lines), flush=True)
 
 
+def _strict(value):
+    """NaN (a metric with nothing to measure, e.g. ITL of one-token requests) -> None."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value
+
+
 def write_json(report: dict, path: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1, allow_nan=False, default=str)
+    """Strict JSON (no NaN), written to a temporary file beside ``path`` and renamed
+    over it, so a reader never sees half a file."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".report-", suffix=".json", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(_strict(report), f, indent=1, allow_nan=False, default=str)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

@@ -28,6 +28,7 @@ __all__ = [
     "save_and_run",
     "convert_and_run",
     "save_gpt_checkpoint",
+    "load_job_module",
 ]
 
 
@@ -216,3 +217,19 @@ def save_gpt_checkpoint(preset, tp: int, ckpt_dir: str, seed: Optional[int],
         Path(ckpt_dir).mkdir(exist_ok=True)
     dist_checkpointing.save(state, ckpt_dir, sharded_strategy=cpu_torch_dist_save_strategy())
     ps.destroy_model_parallel()
+
+
+# ---------------------------------------------------------------- the main job
+def load_job_module():
+    """examples/run_tknp_decode.py as a module (its helper modules sit beside it)."""
+    import importlib.util
+    import sys
+
+    job = Path(__file__).resolve().parents[1] / "examples" / "run_tknp_decode.py"
+    if str(job.parent) not in sys.path:
+        sys.path.insert(0, str(job.parent))
+    spec = importlib.util.spec_from_file_location("run_tknp_decode", job)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module

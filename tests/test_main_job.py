@@ -13,7 +13,6 @@ The reference is the test in every case: match_reference must be true.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -22,7 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import make_hf_llama, make_tiny_tokenizer, save_gpt_checkpoint
+from tests.helpers import (
+    load_job_module,
+    make_hf_llama,
+    make_tiny_tokenizer,
+    save_gpt_checkpoint,
+)
 from tknp_megatron.launch import spawn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,20 +114,8 @@ def test_hf_llama_job(tmp_path):
     assert report["model"] == "hf" and report["weights"].startswith("HF ")
 
 
-def _load_job_module():
-    spec = importlib.util.spec_from_file_location("run_tknp_decode", JOB)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_bad_flags_fail_before_the_pool(tmp_path):
-    job = _load_job_module()
-    bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({**TINY_CONFIG, "hiden_size": 3, "vocab_sise": 4}))
-    with pytest.raises(SystemExit, match=r"\['hiden_size', 'vocab_sise'\]"):
-        job.main(["--model-config", str(bad)])
+def test_parse_errors_fail_before_the_pool(tmp_path):
+    job = load_job_module()
     with pytest.raises(SystemExit):  # argparse: --prompt needs --tokenizer
         job.parse_args(["--prompt", "hello"])
     with pytest.raises(SystemExit):  # a preset and a checkpoint at once
@@ -135,15 +127,15 @@ def test_tokenizer_eos_reaches_sampling(tmp_path):
     pytest.importorskip("tokenizers")
     from tknp_megatron.models.tokenizer import Tokenizer
 
-    module = _load_job_module()
+    module = load_job_module()
     tok = Tokenizer(make_tiny_tokenizer(tmp_path / "tok"))
     config = tmp_path / "model.json"
     config.write_text(json.dumps({**TINY_CONFIG, "vocab_size": tok.vocab_size}))
     args = module.parse_args(["--tokenizer", str(tmp_path / "tok"), "--model-config",
                               str(config), "--prompt", "the lazy dog"])
-    job = module.build_job(args, None, tok)
+    job = module.prepare_job(args)
     assert job.prompts == [tok.encode("the lazy dog")]
     assert job.sampling().eos_id == tok.eos_id == 2
     config.write_text(json.dumps({**TINY_CONFIG, "vocab_size": 16}))
-    with pytest.raises(SystemExit, match="tokenizer has"):
-        module.build_job(args, None, tok)
+    with pytest.raises(ValueError, match="ids, more than the model's vocab_size 16"):
+        module.prepare_job(args)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import abc
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -234,15 +234,21 @@ class InferenceEngine(abc.ABC):
         self,
         prompts: Sequence[Sequence[int]],
         sampling_params: Optional[SamplingParams | Sequence[SamplingParams]] = None,
+        progress: Optional[Callable[[int], None]] = None,
     ) -> List[GenerationResult]:
-        """Serve ``prompts`` to completion on every rank; all ranks get the results."""
+        """Serve ``prompts`` to completion on every rank; all ranks get the results.
+
+        ``progress`` (coordinator) is told how many requests ended at each step.
+        """
         results = None
         if self.groups.is_coordinator:
             params = sampling_params
             if params is None or isinstance(params, SamplingParams):
                 params = [params] * len(prompts)
             ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
-            self.run_until_done()
+            if progress is not None:  # refused at once
+                progress(sum(self.requests[i].status.value == "rejected" for i in ids))
+            self.run_until_done(progress)
             results = [self.result(i) for i in ids]
         else:
             self.serve()
@@ -250,12 +256,15 @@ class InferenceEngine(abc.ABC):
         self._broadcast(box)
         return box[0]
 
-    def run_until_done(self) -> None:
-        """Coordinator: step until every submitted request has ended, then stop the pool."""
+    def run_until_done(self, progress: Optional[Callable[[int], None]] = None) -> None:
+        """Coordinator: step until every submitted request has ended, then stop the pool;
+        ``progress`` is told how many requests ended at each step."""
         while self.has_unfinished_requests():
             if not self.scheduler.has_work() and not self._steps_in_flight():
                 self._wait_for_arrival()
-            self.step()
+            finished = self.step()
+            if progress is not None:
+                progress(len(finished))
         self.shutdown()
 
     def result(self, request_id: int) -> GenerationResult:

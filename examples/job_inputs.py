@@ -1,0 +1,110 @@
+"""The main job's inputs, checked before any process starts (examples/run_tknp_decode.py).
+
+Every mistake in a flag or a file becomes one :class:`JobError` line naming the flag or
+file, the value and what is allowed; the main job prints it and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import List, Optional
+
+import torch
+
+from tknp_megatron.config import ModelPreset
+from tknp_megatron.models.tokenizer import Tokenizer
+from tknp_megatron.pool_checks import pool_problems
+
+
+class JobError(ValueError):
+    """A flag or file the job cannot run with; the message is one line for the user."""
+
+
+def check_flags(args, preset: ModelPreset) -> None:
+    """The numeric flags, and the pool shape against the model."""
+    positive = [("--requests", args.requests), ("--output-len", args.output_len),
+                ("--block-size", args.block_size)]
+    if args.kv_tokens_per_node is not None:
+        positive.append(("--kv-tokens-per-node", args.kv_tokens_per_node))
+    problems = [f"{flag} {value}: must be at least 1" for flag, value in positive if value < 1]
+    lo, hi = args.prompt_len
+    if not 1 <= lo <= hi:
+        problems.append(f"--prompt-len {lo} {hi}: needs 1 <= MIN <= MAX")
+    if not args.timeout > 0:
+        problems.append(f"--timeout {args.timeout}: must be positive (seconds)")
+    problems += [f"--{p}" for p in pool_problems(preset, args.nodes, args.tp)]
+    if args.attention_backend is not None:
+        from tknp_megatron.attention import available_backends
+
+        usable = available_backends(args.device)
+        if args.attention_backend not in usable:
+            problems.append(f"--attention-backend {args.attention_backend}: not usable on "
+                            f"{args.device}; choose one of {', '.join(usable)}")
+    if problems:
+        raise JobError("; ".join(problems))
+
+
+def load_tokenizer(args, preset: ModelPreset) -> Optional[Tokenizer]:
+    """``--tokenizer DIR``, checked against the model's vocabulary."""
+    if not args.tokenizer:
+        return None
+    if not os.path.isdir(args.tokenizer):
+        raise JobError(f"--tokenizer {args.tokenizer}: no such directory")
+    try:
+        tokenizer = Tokenizer(args.tokenizer)
+    except Exception as err:  # noqa: BLE001 - the tokenizers library raises plain Exception
+        raise JobError(f"--tokenizer {args.tokenizer}: not a tokenizer folder ({err})") from None
+    if tokenizer.vocab_size > preset.vocab_size:
+        raise JobError(f"--tokenizer {args.tokenizer}: {tokenizer.vocab_size} ids, more than the "
+                       f"model's vocab_size {preset.vocab_size}")
+    return tokenizer
+
+
+def _read_prompts_file(path: str, tokenizer: Optional[Tokenizer]) -> list:
+    what = "token-id lists or strings" if tokenizer else "token-id lists"
+    if not os.path.isfile(path):
+        raise JobError(f"--prompts-file {path}: no such file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            prompts = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise JobError(f"--prompts-file {path}: not JSON ({err}); expected a list of {what}") from None
+    if not isinstance(prompts, list) or not prompts:
+        raise JobError(f"--prompts-file {path}: expected a non-empty JSON list of {what}")
+    for i, p in enumerate(prompts):
+        ids = isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+        if not (ids or (tokenizer is not None and isinstance(p, str))):
+            raise JobError(f"--prompts-file {path}: prompt {i} is {json.dumps(p)[:40]}; expected "
+                           f"{what[:-1]}")
+    return prompts
+
+
+def make_prompts(args, preset: ModelPreset, tokenizer: Optional[Tokenizer]) -> List[List[int]]:
+    """``--prompt`` texts, ``--prompts-file``, or seeded random prompts of mixed lengths;
+    every prompt non-empty with ids inside the model's vocabulary."""
+    if not (args.prompt or args.prompts_file):
+        gen = torch.Generator().manual_seed(args.seed)
+        lo, hi = args.prompt_len
+        lengths = torch.randint(lo, hi + 1, (args.requests,), generator=gen).tolist()
+        return [torch.randint(0, preset.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+    source = "--prompt" if args.prompt else f"--prompts-file {args.prompts_file}"
+    raw = args.prompt or _read_prompts_file(args.prompts_file, tokenizer)
+    prompts = [tokenizer.encode(x) if isinstance(x, str) else x for x in raw]
+    for i, ids in enumerate(prompts):
+        if not ids:
+            raise JobError(f"{source}: prompt {i} is empty")
+        bad = [t for t in ids if not 0 <= t < preset.vocab_size]
+        if bad:
+            raise JobError(f"{source}: prompt {i} has token id {bad[0]}, outside the vocabulary "
+                           f"[0, {preset.vocab_size})")
+    return prompts
+
+
+def default_kv_budget(args, prompts) -> int:
+    """Half the offered reservations per node (>= the largest request): >= 2 waves."""
+    need = [len(p) + args.output_len for p in prompts]
+    half = math.ceil(sum(need) / (2 * args.nodes))
+    blocks = math.ceil(max(half, max(need)) / args.block_size)
+    return blocks * args.block_size

@@ -1,0 +1,123 @@
+"""The main job with bad input: one line naming the flag or file, the value and what is
+allowed, exit status 2, no traceback, and no process started. Also: requests the engine
+refuses are reported as refused (the reference serves only the others), and the JSON
+report is strict JSON even when a metric has nothing to measure."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import load_job_module
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = ROOT / "examples" / "run_tknp_decode.py"
+
+
+def _files(tmp: Path) -> dict:
+    """Named bad files for the table."""
+    out = {}
+    for name, text in {
+        "empty": "", "notjson": "{oops", "emptylist": "[]", "emptyprompt": "[[]]",
+        "floats": "[[1.5, 2]]", "negative": "[[-5, 3]]", "oov": "[[1, 600]]",
+        "badconfig": json.dumps({"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                                 "vocab_size": 64, "max_sequence_length": 64,
+                                 "hiden_size": 3, "vocab_sise": 4}),
+        "moe": json.dumps({"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                           "vocab_size": 64, "max_sequence_length": 64, "num_moe_experts": 8}),
+    }.items():
+        path = tmp / f"{name}.json"
+        path.write_text(text)
+        out[name] = str(path)
+    (tmp / "nothf").mkdir()
+    out["nothf"] = str(tmp / "nothf")
+    out["missing"] = str(tmp / "missing.json")
+    return out
+
+
+# (flags, what stderr's one line must contain); {name} is a file of _files
+BAD = [
+    (["--nodes", "0"], "--nodes 0: must be at least 1"),
+    (["--tp", "0"], "--tp 0: must be at least 1"),
+    (["--requests", "0"], "--requests 0: must be at least 1"),
+    (["--block-size", "0"], "--block-size 0: must be at least 1"),
+    (["--output-len", "0"], "--output-len 0: must be at least 1"),
+    (["--kv-tokens-per-node", "0"], "--kv-tokens-per-node 0: must be at least 1"),
+    (["--prompt-len", "10", "5"], "--prompt-len 10 5: needs 1 <= MIN <= MAX"),
+    (["--timeout", "0"], "--timeout 0.0: must be positive"),
+    (["--nodes", "8"], "--nodes 8: at most 6, the layers of tiny"),
+    (["--tp", "3"], "--tp 3: must divide the 4 attention heads of tiny"),
+    (["--model", "tiny-llama"], "--model tiny-llama: unknown preset; known:"),
+    (["--attention-backend", "flashy"], "--attention-backend flashy: not usable on cpu"),
+    (["--prompts-file", "{empty}"], "empty.json: not JSON"),
+    (["--prompts-file", "{notjson}"], "notjson.json: not JSON"),
+    (["--prompts-file", "{emptylist}"], "emptylist.json: expected a non-empty JSON list"),
+    (["--prompts-file", "{emptyprompt}"], "emptyprompt.json: prompt 0 is empty"),
+    (["--prompts-file", "{floats}"], "floats.json: prompt 0 is [1.5, 2]; expected token-id list"),
+    (["--prompts-file", "{negative}"], "prompt 0 has token id -5, outside the vocabulary [0, 512)"),
+    (["--prompts-file", "{oov}"], "prompt 0 has token id 600, outside the vocabulary [0, 512)"),
+    (["--prompts-file", "{missing}"], "missing.json: no such file"),
+    (["--model-config", "{missing}"], "--model-config {missing}: no such file"),
+    (["--model-config", "{badconfig}"], "['hiden_size', 'vocab_sise']"),
+    (["--model-config", "{moe}"], "mixture of experts (num_moe_experts=8)"),
+    (["--hf", "{nothf}"], "not a Hugging Face model folder (no config.json)"),
+    (["--load", "{missing}"], "no such directory"),
+    (["--tokenizer", "{nothf}"], "not a tokenizer folder"),
+    (["--device", "cuda"], "--device cuda: runs under torchrun"),
+]
+
+
+@pytest.fixture(scope="module")
+def job():
+    return load_job_module()
+
+
+@pytest.mark.parametrize("flags, message", BAD, ids=[" ".join(f) for f, _ in BAD])
+def test_bad_input_is_one_line_and_status_2(job, tmp_path, capsys, monkeypatch, flags, message):
+    monkeypatch.setattr(job, "spawn", _no_pool)  # nothing may start
+    files = _files(tmp_path)
+    status = job.main([f.format(**files) for f in flags])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("run_tknp_decode.py: error: "), err
+    assert message.format(**files) in lines[0]
+
+
+def _no_pool(*args, **kwargs):
+    raise AssertionError("a pool was started for bad input")
+
+
+def test_bad_input_exit_status_from_the_shell(tmp_path):
+    """The same as a user sees it: a real process, status 2, one line, no traceback."""
+    proc = subprocess.run([sys.executable, str(JOB), "--tp", "3"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "run_tknp_decode.py: error: --tp 3: must divide the 4 attention heads of tiny; "
+        "--tp 3: must divide the 2 KV heads of tiny; --tp 3: must divide the 160 MLP width of tiny"]
+
+
+def test_refused_requests_and_strict_json(tmp_path):
+    """Prompts too long for the model are refused with a reason, the others are served
+    and checked against the reference (which serves only them); one-token outputs leave
+    inter-token latency unmeasured, which the JSON says with null, not NaN."""
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([[5, 6, 7], [1] * 1024, [9, 8]]))
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, str(JOB), "--prompts-file", str(prompts), "--output-len", "1",
+                           "--nodes", "2", "--tp", "1", "--json", str(out), "--quiet"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())  # strict: json would refuse NaN only when asked,
+    assert "NaN" not in out.read_text()   # so look for it too
+    assert (report["completed"], report["rejected"]) == (2, 1)
+    assert "request 1: prompt 1024 + max_new_tokens 1 = 1025 tokens exceeds max_sequence_length 1024" \
+        in report["reject_reasons"]["1"]
+    assert report["match_reference"] is True and report["itl_p95_s"] is None
+    assert "rejected: request 1" in proc.stdout

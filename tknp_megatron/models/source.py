@@ -1,0 +1,183 @@
+"""What a pool serves: a preset with seeded weights, a Megatron checkpoint, or a Hugging
+Face folder, resolved (and checked) before any process of the pool starts.
+
+A launcher (the main job, a server) resolves its flags into one :class:`ModelSource`:
+the architecture comes from ``--model-config``, the checkpoint's own config (the
+converter's ``model_config.json`` or Megatron-LM's stored arguments), the Hugging Face
+``config.json``, or a preset name. Everything that can be wrong with those inputs raises
+:class:`SourceError` with one line naming the input, the value and what is allowed.
+A Hugging Face folder is converted once, into a temporary checkpoint
+(:func:`converted_checkpoint`), after the checks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+from tknp_megatron.config import PRESETS, ModelPreset, dtype_from_name, get_preset
+
+__all__ = ["ModelSource", "SourceError", "converted_checkpoint", "resolve_source"]
+
+
+class SourceError(ValueError):
+    """A model input that cannot be served; the message is one line for the user."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What the pool serves.
+
+    Attributes:
+        preset: the architecture.
+        checkpoint: ``torch_dist`` directory every rank loads from; None = seeded weights
+            (or, for ``hf``, the checkpoint converted later).
+        hf: Hugging Face folder to convert before serving, if any.
+        padded_vocab: the checkpoint's embedding rows (None: Megatron's padding).
+        weights: where the weights come from, for reports.
+    """
+
+    preset: ModelPreset
+    checkpoint: Optional[str] = None
+    hf: Optional[str] = None
+    padded_vocab: Optional[int] = None
+    weights: str = ""
+
+
+def _model_config(path: str, flag: str) -> ModelPreset:
+    from tknp_megatron.models.model_config import load_model_config
+
+    if not os.path.isfile(path):
+        raise SourceError(f"{flag} {path}: no such file")
+    try:
+        return load_model_config(path)[0]  # params_dtype is the file's; the launcher's dtype serves
+    except (ValueError, KeyError, TypeError) as err:
+        raise SourceError(f"{flag} {path}: {err}") from None
+
+
+def _checkpoint_preset(ckpt: str) -> ModelPreset:
+    """``ckpt/model_config.json`` (written by the HF converter), else Megatron-LM's args."""
+    from tknp_megatron.models.checkpoint import read_checkpoint_args
+    from tknp_megatron.models.model_config import preset_from_checkpoint_args
+
+    config = os.path.join(ckpt, "model_config.json")
+    if os.path.exists(config):
+        return _model_config(config, "--load")
+    stored = read_checkpoint_args(ckpt)
+    if stored is None:
+        raise SourceError(f"--load {ckpt}: no model_config.json and no Megatron-LM args stored "
+                          "with it; pass --model-config FILE")
+    try:
+        return preset_from_checkpoint_args(stored, name=os.path.basename(os.path.normpath(ckpt)))
+    except (ValueError, AttributeError) as err:
+        raise SourceError(f"--load {ckpt}: {err}") from None
+
+
+def _hf_preset(folder: str) -> ModelPreset:
+    from tknp_megatron.models.hf_convert import SUPPORTED_MODEL_TYPES, preset_from_hf_config
+
+    path = Path(folder)
+    if not path.is_dir():
+        raise SourceError(f"--hf {folder}: no such directory")
+    config = path / "config.json"
+    if not config.is_file():
+        raise SourceError(f"--hf {folder}: not a Hugging Face model folder (no config.json)")
+    if not any(path.glob("*.safetensors")):
+        raise SourceError(f"--hf {folder}: no *.safetensors weights")
+    try:
+        cfg = json.loads(config.read_text())
+        return preset_from_hf_config(cfg, name=path.name or "hf")
+    except (ValueError, KeyError) as err:
+        raise SourceError(f"--hf {folder}: {err} (model types: {', '.join(SUPPORTED_MODEL_TYPES)})") from None
+
+
+def _checkpoint_rows(ckpt: str, preset: ModelPreset) -> int:
+    from tknp_megatron.models.checkpoint import checkpoint_padded_vocab_size, resolve_checkpoint_dir
+
+    if not os.path.isdir(ckpt):
+        raise SourceError(f"--load {ckpt}: no such directory")
+    try:
+        resolve_checkpoint_dir(ckpt)
+        rows = checkpoint_padded_vocab_size(ckpt)
+    except (FileNotFoundError, KeyError) as err:
+        raise SourceError(f"--load {ckpt}: {err}") from None
+    if rows < preset.vocab_size:
+        raise SourceError(f"--load {ckpt}: {rows} embedding rows, fewer than the model's "
+                          f"vocab_size {preset.vocab_size}")
+    return rows
+
+
+def resolve_source(model: Optional[str] = None, load: Optional[str] = None,
+                   hf: Optional[str] = None, model_config: Optional[str] = None,
+                   seed: int = 0) -> ModelSource:
+    """One source from a launcher's flags (``--model``, ``--load``, ``--hf``,
+    ``--model-config``); raises :class:`SourceError` naming the bad input."""
+    if model is not None and model not in PRESETS:
+        raise SourceError(f"--model {model}: unknown preset; known: {', '.join(sorted(PRESETS))}")
+    if model_config:
+        preset = _model_config(model_config, "--model-config")
+    elif hf:
+        preset = _hf_preset(hf)
+    elif load:
+        if not os.path.isdir(load):
+            raise SourceError(f"--load {load}: no such directory")
+        preset = _checkpoint_preset(load)
+    else:
+        preset = get_preset(model or "tiny")
+    if load:
+        return ModelSource(preset, load, None, _checkpoint_rows(load, preset), f"checkpoint {load}")
+    if hf:
+        return ModelSource(preset, None, hf, None, f"HF {hf} (converted)")
+    return ModelSource(preset, weights=f"seeded (seed {seed})")
+
+
+def convert_worker(rank: int, world: int, hf_dir: str, out_dir: str, dtype: str) -> None:
+    """One-process pool: an HF folder -> a ``torch_dist`` checkpoint + model_config.json."""
+    warnings.simplefilter("ignore")
+    import parallel_state as ps
+    from tknp_megatron.models.hf_convert import convert_hf_to_dist_checkpoint
+
+    ps.initialize_model_parallel(1)
+    convert_hf_to_dist_checkpoint(hf_dir, out_dir, dtype_from_name(dtype))
+    ps.destroy_model_parallel()
+
+
+@contextlib.contextmanager
+def _outside_torchrun() -> Iterator[None]:
+    """Hide torchrun's variables while starting a separate pool: with them, its ranks
+    would join torchrun's rendezvous store (TORCHELASTIC_USE_AGENT_STORE) and hang."""
+    names = [k for k in os.environ if k.startswith("TORCHELASTIC_")]
+    names += ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"]
+    saved = {k: os.environ.pop(k) for k in names if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+@contextlib.contextmanager
+def converted_checkpoint(source: ModelSource, dtype: str, timeout_s: float,
+                         convert_here: bool = True) -> Iterator[ModelSource]:
+    """``source`` with its Hugging Face folder converted into a temporary checkpoint
+    (removed on exit), in a one-process pool; unchanged if it has no folder.
+
+    ``convert_here`` False (ranks other than 0 under torchrun) skips the conversion and
+    yields the source as is: the caller shares rank 0's path (ranks share a filesystem).
+    """
+    if source.hf is None or not convert_here:
+        yield source
+        return
+    from tknp_megatron.launch import spawn
+    from tknp_megatron.models.model import padded_vocab_size
+
+    with tempfile.TemporaryDirectory(prefix="tknp-hf-") as path:
+        with _outside_torchrun():
+            spawn(convert_worker, 1, (source.hf, path, dtype), timeout_s=timeout_s)
+        rows = padded_vocab_size(source.preset, 1)  # the converter pads as Megatron does at TP 1
+        yield ModelSource(source.preset, path, source.hf, rows, source.weights)
