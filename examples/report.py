@@ -5,8 +5,40 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import tempfile
+import time
 from typing import Callable, Dict, List, Optional, Sequence
+
+
+class Progress:
+    """One status line on stderr, redrawn in place: ``TKNP: 5/16 requests (3.1 s)``.
+
+    Args:
+        what: the phase (``TKNP``, ``reference``).
+        total: requests in the phase.
+    """
+
+    def __init__(self, what: str, total: int):
+        self.what, self.total, self.done = what, total, 0
+        self.start = time.perf_counter()
+        self._draw()
+
+    def update(self, finished: int) -> None:
+        """``finished`` more requests ended."""
+        self.done += finished
+        self._draw()
+
+    def close(self) -> None:
+        self.done = self.total
+        self._draw()
+        sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    def _draw(self) -> None:
+        elapsed = time.perf_counter() - self.start
+        sys.stderr.write(f"\r{self.what}: {self.done}/{self.total} requests ({elapsed:.1f} s)")
+        sys.stderr.flush()
 
 
 def _compare(results, reference: Optional[Dict[int, object]]) -> dict:

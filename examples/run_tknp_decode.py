@@ -96,7 +96,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="write the results here (strict JSON)")
     p.add_argument("--show", type=int, default=4, metavar="N",
                    help="print the first N requests' output (text with --tokenizer, else ids)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung pool fails")
     args = p.parse_args(argv)
     if args.dtype is None:
@@ -130,7 +130,7 @@ class Job:
 
     @property
     def progress(self) -> bool:
-        """Progress bars: on a terminal, unless ``--quiet``."""
+        """Progress lines: on a terminal, unless ``--quiet``."""
         return not self.args.quiet and sys.stderr.isatty()
 
 
@@ -174,7 +174,7 @@ def run_tknp(job: Job, device: torch.device):
     # a checkpoint: each rank reads only its own blocks
     engine = build_engine(Mode.TKNP, preset, groups, config, device, dtype_from_name(args.dtype),
                           weights=_weights(job.model, args.seed), padded_vocab=job.model.padded_vocab)
-    bar = _bar(job, groups.is_coordinator, len(job.prompts), "TKNP", "requests")
+    bar = _bar(job, groups.is_coordinator, len(job.prompts), "TKNP")
     results = engine.generate(job.prompts, job.sampling(), progress=bar.update if bar else None)
     summary = None
     if groups.is_coordinator:
@@ -201,29 +201,27 @@ def run_reference(job: Job, device: torch.device, accepted: List[int]):
                                       vocab_size=source.padded_vocab)
         load_weights(model, source.preset, _weights(source, args.seed))
         if dist.get_rank() == 0:
-            bar = _bar(job, True, len(accepted), "reference", "requests")
+            bar = _bar(job, True, len(accepted), "reference")
             prompts = [job.prompts[i] for i in accepted]
             out = dict(zip(accepted, reference_generate(model, source.preset, prompts,
                                                         [job.sampling()] * len(prompts))))
-            _close(bar, len(accepted))
+            _close(bar)
     dist.barrier()
     mpu.destroy_model_parallel()
     return out
 
 
-def _bar(job: Job, show: bool, total: int, what: str, unit: str):
-    """A tqdm progress bar on stderr (rank 0, a terminal, not --quiet), else None."""
+def _bar(job: Job, show: bool, total: int, what: str):
+    """A progress line on stderr (rank 0, a terminal, not --quiet), else None."""
     if not (show and job.progress):
         return None
-    from tqdm import tqdm
+    from report import Progress  # examples/report.py
 
-    return tqdm(total=total, desc=what, unit=f" {unit}", leave=True, file=sys.stderr)
+    return Progress(what, total)
 
 
-def _close(bar, done: Optional[int] = None) -> None:
+def _close(bar) -> None:
     if bar is not None:
-        if done is not None:
-            bar.update(done - bar.n)
         bar.close()
 
 

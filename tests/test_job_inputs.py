@@ -121,3 +121,35 @@ def test_refused_requests_and_strict_json(tmp_path):
         in report["reject_reasons"]["1"]
     assert report["match_reference"] is True and report["itl_p95_s"] is None
     assert "rejected: request 1" in proc.stdout
+
+
+def _run_with_tty_stderr(*flags) -> str:
+    """Run the main job with stderr on a pseudo-terminal; what it wrote there."""
+    import os
+    import pty
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, str(JOB), "--requests", "4", "--output-len", "3", *flags],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=follower)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            data = os.read(leader, 4096)
+        except OSError:  # the terminal closed: the job exited
+            break
+        if not data:
+            break
+        chunks.append(data)
+    assert proc.wait(timeout=240) == 0
+    os.close(leader)
+    return b"".join(chunks).decode(errors="replace")
+
+
+def test_progress_lines_on_a_terminal_only():
+    shown = _run_with_tty_stderr()
+    assert "TKNP: 4/4 requests" in shown and "reference: 4/4 requests" in shown
+    assert "TKNP:" not in _run_with_tty_stderr("--quiet")
+    piped = subprocess.run([sys.executable, str(JOB), "--requests", "4", "--output-len", "3"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert piped.returncode == 0 and "TKNP:" not in piped.stderr  # not a terminal
