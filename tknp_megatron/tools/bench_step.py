@@ -35,7 +35,7 @@ from tknp_megatron.plan import RequestColumns, StepPlan  # noqa: E402
 from tknp_megatron.profiler import PhaseTimer, PhaseTimes  # noqa: E402
 
 
-def parse_args():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="llama3.1-70b")
     p.add_argument("--layers", type=int, default=8, help="layers of the preset to stack")
@@ -48,7 +48,7 @@ def parse_args():
                    help="also list the GPU kernels of a graphed step (torch.profiler, CUPTI)")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU/gloo smoke run of the eager parts (no graphs, no GPU)")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def setup(args):

@@ -1,0 +1,114 @@
+"""Every command the README shows is run here (CPU forms) or parsed against the tool's own
+flags (GPU forms, which benchmarks/scripts run on the GPU machine), and printed output the
+README quotes is compared with what the command prints now, so the README cannot drift."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import load_job_module
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def fenced_blocks():
+    """The README's fenced code blocks, each a list of lines."""
+    return [block.splitlines() for block in re.findall(r"```\n(.*?)```", README, flags=re.S)]
+
+
+def commands():
+    """``(command, the lines the block shows after it)`` for every command line of a fenced
+    block (continuation lines joined, comments dropped)."""
+    out = []
+    for lines in fenced_blocks():
+        i = 0
+        while i < len(lines):
+            line = lines[i]
+            if re.match(r"(make|python|torchrun) ", line):
+                cmd = line
+                while cmd.rstrip().endswith("\\"):
+                    i += 1
+                    cmd = cmd.rstrip()[:-1] + " " + lines[i].strip()
+                rest = []
+                while i + 1 < len(lines) and not re.match(r"(make|python|torchrun) ", lines[i + 1]):
+                    i += 1
+                    rest.append(lines[i])
+                out.append((cmd.split("  #")[0].strip(), rest))
+            i += 1
+    return out
+
+
+def _argv(cmd: str):
+    """``(entry, argv)``: the module or script a command runs and its arguments."""
+    words = shlex.split(cmd)
+    if words[0] == "torchrun":
+        words = words[words.index("--nproc-per-node") + 2:]
+    else:
+        words = words[1:]  # python
+    if words[0] == "-m":
+        return words[1], words[2:]
+    return words[0], words[1:]
+
+
+def test_every_command_is_covered():
+    cmds = [c for c, _ in commands()]
+    assert "make run" in cmds and "make test" in cmds
+    for cmd in cmds:
+        if cmd.startswith("make "):
+            continue
+        entry, _ = _argv(cmd)
+        assert entry.startswith("tknp_megatron.tools.") or entry == "examples/run_tknp_decode.py", cmd
+
+
+@pytest.mark.parametrize("cmd", [c for c, _ in commands() if c.startswith(("torchrun", "python"))])
+def test_flags_parse(cmd):
+    """Each command's flags are accepted by its tool (GPU forms are run by the GPU scripts)."""
+    entry, argv = _argv(cmd)
+    if entry.endswith(".py"):
+        load_job_module().parse_args(argv)
+    else:
+        module = importlib.import_module(entry)
+        module.parse_args(argv)
+
+
+@pytest.mark.parametrize("tool", ["capacity_report", "traffic_report"])
+def test_report_output_is_what_the_readme_shows(tool):
+    (cmd, shown), = [(c, rest) for c, rest in commands() if f"tools.{tool} " in c]
+    proc = subprocess.run([sys.executable, *shlex.split(cmd)[1:]], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert [line.rstrip() for line in proc.stdout.strip().splitlines()] == [
+        line.rstrip() for line in shown if line.strip()]
+
+
+def test_cpu_smoke_run_of_every_mode(tmp_path):
+    (cmd,) = [c for c, _ in commands() if "bench_serving --world" in c]
+    proc = subprocess.run([sys.executable, *shlex.split(cmd)[1:]], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tokens agree across modes" in proc.stdout
+    assert (tmp_path / "bench_serving_out" / "results.json").exists()
+
+
+def test_make_run_with_flags_and_its_printed_summary():
+    """``make run ARGS=...`` as the README shows it, and the deterministic lines of the
+    default run's printed summary (timings aside) as the README quotes them."""
+    flags = re.search(r'`make run ARGS="([^"]+)"`', README).group(1)
+    proc = subprocess.run(["make", "run", f"ARGS={flags} --quiet"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "match_reference: true" in proc.stdout
+    (shown,) = [b for b in fenced_blocks() if b and b[0].startswith("TKNP decode:")]
+    job = subprocess.run([sys.executable, "examples/run_tknp_decode.py", "--quiet"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    timed = re.compile(r"throughput|queue wait|max logit diff")
+    assert [x for x in job.stdout.splitlines() if not timed.search(x)] == [
+        x for x in shown if not timed.search(x)]
