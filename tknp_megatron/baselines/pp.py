@@ -174,7 +174,6 @@ class PPInferenceEngine(InferenceEngine):
                  num_microbatches: Optional[int] = None, **kwargs):
         super().__init__(model, preset, placement, groups, config, device, **kwargs)
         self.num_microbatches = num_microbatches or self.groups.num_nodes
-        self.microbatch_of = {}
         self._awaiting: List[Optional[StepPlan]] = [None] * self.num_microbatches  # tokens due
         self._cursor = 0  # the microbatch the coordinator's next tick serves
 
@@ -218,21 +217,18 @@ class PPInferenceEngine(InferenceEngine):
     def _plan_for(self, m: int) -> Optional[StepPlan]:
         self._release_due()
         result = self.scheduler.schedule()
+        for req in result.admitted:
+            req.microbatch = -1  # not placed yet: not counted below
         for req in result.admitted:  # join the smallest microbatch, for good
             sizes = [0] * self.num_microbatches
-            for rid in self._running_ids():
-                sizes[self.microbatch_of[rid]] += 1
-            self.microbatch_of[req.request_id] = min(range(len(sizes)), key=lambda i: (sizes[i], i))
-        batch = [r for r in result.batch if self.microbatch_of[r.request_id] == m]
+            for r in (r for reqs in self.scheduler.running for r in reqs if r.microbatch >= 0):
+                sizes[r.microbatch] += 1
+            req.microbatch = min(range(len(sizes)), key=lambda i: (sizes[i], i))
+        batch = [r for r in result.batch if r.microbatch == m]
         if not batch and not result.admissions:
             return None
         self._step += 1
         return build_plan(self._step, batch, result.admissions, 1, self.config.record_logits)
-
-    def _running_ids(self) -> List[int]:
-        """Running requests already placed in a microbatch."""
-        return [r.request_id for reqs in self.scheduler.running for r in reqs
-                if r.request_id in self.microbatch_of]
 
     def _issue(self, plan: StepPlan) -> None:
         """Coordinator: hand ``plan`` to stage 0's other TP ranks, run stage 0's share."""

@@ -99,7 +99,7 @@ class Request:
         inflight_rows: rows of the request's step that is running but not yet booked
             (0: none); its KV then covers ``num_cached + inflight_rows`` tokens.
         inflight_index: the request's row in that step's sampled tokens.
-        microbatch: its microbatch under dual-active-root execution (fixed at admission).
+        microbatch: its microbatch under dual-active-root or PP execution (fixed at admission).
         logits: per generated token, the full-vocabulary logits (only if recorded).
     """
 
