@@ -7,7 +7,6 @@ file, the value and what is allowed; the main job prints it and exits with statu
 from __future__ import annotations
 
 import json
-import math
 import os
 from typing import List, Optional
 
@@ -104,7 +103,6 @@ def make_prompts(args, preset: ModelPreset, tokenizer: Optional[Tokenizer]) -> L
 
 def default_kv_budget(args, prompts) -> int:
     """Half the offered reservations per node (>= the largest request): >= 2 waves."""
-    need = [len(p) + args.output_len for p in prompts]
-    half = math.ceil(sum(need) / (2 * args.nodes))
-    blocks = math.ceil(max(half, max(need)) / args.block_size)
-    return blocks * args.block_size
+    from tknp_megatron.engine.kv_budget import waves_budget
+
+    return waves_budget([len(p) + args.output_len for p in prompts], args.nodes, args.block_size)

@@ -8,7 +8,7 @@ must hold on every rank), and the coordinator learns every node's count.
 from __future__ import annotations
 
 import math
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -17,7 +17,15 @@ from parallel_state import TokenParallelGroups
 from tknp_megatron.config import ModelPreset
 from tknp_megatron.kv_cache import KVCacheSpec
 
-__all__ = ["budget_blocks", "kv_cache_spec", "pool_block_counts"]
+__all__ = ["budget_blocks", "kv_cache_spec", "pool_block_counts", "waves_budget"]
+
+
+def waves_budget(reservations: Sequence[int], nodes: int, block_size: int) -> int:
+    """A KV budget per node (tokens) for a CPU run, which has no free memory to measure:
+    half of the ``reservations`` (prompt + max new tokens of each request) per node, at
+    least the largest, in whole blocks, so the requests are admitted in waves."""
+    half = -(-sum(reservations) // (2 * nodes))
+    return -(-max(half, max(reservations)) // block_size) * block_size
 
 
 def budget_blocks(bytes_per_block: int, engine_config, device: torch.device) -> int:

@@ -72,14 +72,13 @@ def parse_args(argv=None):
 
 
 def default_cpu_kv_budget(args) -> int:
-    """A CPU run has no free-memory measure: per node, half of the largest trace's
-    reservations (at least its largest request), so traces admit in waves as on a GPU."""
+    """A CPU run has no free-memory measure: the largest trace's waves budget (half its
+    reservations per node, at least its largest request)."""
+    from tknp_megatron.engine.kv_budget import waves_budget
+
     nodes = max(1, args.world // args.tp)
-    worst = 0
-    for _, _, _, trace in _traces(args):
-        need = [r.prompt_len + r.output_len for r in trace.requests]
-        worst = max(worst, -(-sum(need) // (2 * nodes)), max(need))
-    return -(-worst // args.block_size) * args.block_size
+    return max(waves_budget([r.prompt_len + r.output_len for r in trace.requests], nodes, args.block_size)
+               for _, _, _, trace in _traces(args))
 
 
 def _traces(args):
