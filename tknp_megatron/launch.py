@@ -15,13 +15,13 @@ import socket
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "init_distributed", "spawn", "PoolFailure"]
+__all__ = ["free_port", "init_distributed", "run_ranks", "spawn", "PoolFailure"]
 
 
 class PoolFailure(RuntimeError):
@@ -117,3 +117,19 @@ def spawn(
             if p.is_alive():
                 p.kill()
     return [out[r] for r in range(world_size)]
+
+
+def run_ranks(fn: Callable[..., Any], args: Any, device: str, world: int,
+              timeout_s: float = 1800.0) -> Tuple[int, Any]:
+    """A tool's pool: ``fn(rank, world_size, args)`` on this process's rank under torchrun
+    (NCCL on ``cuda``, binding LOCAL_RANK's GPU first; gloo on ``cpu``), else in a local
+    gloo pool of ``world`` processes. Returns ``(rank, result)``: this rank's result under
+    torchrun (the process group stays up for the caller), rank 0's otherwise.
+    """
+    if "RANK" not in os.environ:
+        return 0, spawn(fn, world, (args,), timeout_s=timeout_s)[0]
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    init_distributed("nccl" if device == "cuda" else "gloo", rank, size, timeout_s)
+    return rank, fn(rank, size, args)

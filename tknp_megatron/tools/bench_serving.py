@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from tknp_megatron.config import dtype_from_name, get_preset  # noqa: E402
-from tknp_megatron.launch import init_distributed, spawn  # noqa: E402
+from tknp_megatron.launch import run_ranks  # noqa: E402
 from tknp_megatron.mode import Mode  # noqa: E402
 
 MODES = tuple(m.value for m in (Mode.TKNP, Mode.DP, Mode.TP, Mode.PP, Mode.DCP))
@@ -250,21 +250,14 @@ def main(argv=None) -> int:
         lines = (Path(args.out) / "partial.jsonl").read_text().splitlines()
         report([json.loads(line) for line in lines if line.strip()], Path(args.out))
         return 0
+    rank, rows = run_ranks(worker, args, args.device, args.world)
+    if rank == 0:
+        report(rows, Path(args.out))
     if "RANK" in os.environ:
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        if args.device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-        init_distributed("nccl" if args.device == "cuda" else "gloo", rank, world, 1800)
-        rows = worker(rank, world, args)
-        if rank == 0:
-            report(rows, Path(args.out))
         dist.barrier()
         if args.device == "cuda":
             os._exit(0)  # NCCL teardown after graph capture can hang: skip it, the run is written
         dist.destroy_process_group()
-    else:
-        rows = spawn(worker, args.world, (args,), timeout_s=1800)[0]
-        report(rows, Path(args.out))
     return 0
 
 

@@ -25,7 +25,7 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-from tknp_megatron.launch import init_distributed, spawn
+from tknp_megatron.launch import run_ranks
 from tknp_megatron.mode import Mode
 
 
@@ -115,14 +115,7 @@ def worker(rank: int, world: int, args):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if "RANK" in os.environ:
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        if args.device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-        init_distributed("nccl" if args.device == "cuda" else "gloo", rank, world, 1800)
-        rows = worker(rank, world, args)
-    else:
-        rank, rows = 0, spawn(worker, args.world, (args,), timeout_s=1800)[0]
+    rank, rows = run_ranks(worker, args, args.device, args.world)
     if rank == 0 and args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(rows, f)
