@@ -2,6 +2,8 @@
 
 from setuptools import find_packages, setup
 
+SERVE = ["pyzmq", "msgpack", "flask[async]", "quart", "hypercorn"]
+
 setup(
     name="tknp-megatron",
     version="0.1.0",
@@ -28,8 +30,12 @@ setup(
         ],
     },
     extras_require={
+        # Megatron-Core's inference server needs these but does not declare them: ZMQ and
+        # msgpack for its coordinator, Flask (megatron-core 0.16) or Quart (0.17 and later)
+        # with hypercorn for its HTTP front end.
+        "serve": SERVE,
         "test": ["pytest>=8", "pytest-timeout", "triton", "psutil", "matplotlib>=3.6", "transformers", "safetensors",
-                 "gguf", "accelerate"],
+                 "gguf", "accelerate", "openai", "requests"] + SERVE,
         "gpu": ["triton"],
         "te": ["transformer-engine[pytorch]"],
         "flash": ["flash-attn"],

@@ -3,7 +3,8 @@
 Used by the main job with no arguments and by the multi-process tests. Every worker's
 result comes back in rank order; a worker that raises fails the whole launch with its
 traceback, and a pool that does not finish within ``timeout_s`` (a hung collective) is
-killed and reported as a failure.
+killed and reported as a failure. :func:`supervise` runs a pool that serves until stopped
+(the server): it forwards stop signals and tears the pool down when a rank dies.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "init_distributed", "run_ranks", "spawn", "PoolFailure"]
+__all__ = ["free_port", "init_distributed", "run_ranks", "spawn", "supervise", "PoolFailure"]
 
 
 class PoolFailure(RuntimeError):
@@ -133,3 +134,54 @@ def run_ranks(fn: Callable[..., Any], args: Any, device: str, world: int,
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     init_distributed("nccl" if device == "cuda" else "gloo", rank, size, timeout_s)
     return rank, fn(rank, size, args)
+
+
+def _serving_worker(rank, world_size, port, fn, args, timeout_s):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    init_distributed("gloo", rank, world_size, timeout_s)
+    fn(rank, world_size, *args)  # an exception exits the process with status 1
+
+
+def supervise(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
+              timeout_s: float = 600.0, grace_s: float = 30.0) -> int:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes until they end.
+
+    SIGTERM or SIGINT here is passed to every rank (they stop in order). When a rank exits
+    with an error the others get SIGTERM; whatever still runs ``grace_s`` after a stop or
+    a failure is killed. Returns 0 when every rank exited cleanly, else 1.
+    """
+    import signal
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_serving_worker, args=(r, world_size, port, fn, tuple(args), timeout_s))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = [None]
+
+    def stop(*_):
+        for p in procs:
+            if p.is_alive():
+                p.terminate()  # SIGTERM: the ranks' own handlers stop in order
+        if deadline[0] is None:
+            deadline[0] = time.monotonic() + grace_s
+
+    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while any(p.is_alive() for p in procs):
+            if deadline[0] is None and any(p.exitcode not in (None, 0) for p in procs):
+                stop()
+            if deadline[0] is not None and time.monotonic() > deadline[0]:
+                for p in procs:
+                    if p.is_alive():
+                        p.kill()
+            time.sleep(0.1)
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        for p in procs:
+            p.join(5)
+    return 0 if all(p.exitcode == 0 for p in procs) else 1

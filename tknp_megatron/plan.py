@@ -12,7 +12,7 @@ device: ``prev_token_index`` points at its row of step n's output, which every r
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -128,6 +128,10 @@ class StepPlan:
     (each grouped by owner, no admissions) and this plan is their concatenation in that
     order, for booking; its rows are then grouped by microbatch first, so
     :meth:`request_range` is only meaningful on the microbatches' plans.
+
+    ``log_probs_top_n`` is -1 when no request of the step asks for log-probs, else the
+    largest ``top_n_logprobs`` among those that do (the last root returns that many top
+    tokens for every row). ``idle`` marks a plan with nothing to run (:meth:`idle_plan`).
     """
 
     step: int
@@ -140,6 +144,14 @@ class StepPlan:
     stop: bool = False
     prev_token_index: Optional[torch.Tensor] = None
     microbatches: Tuple["StepPlan", ...] = ()
+    log_probs_top_n: int = -1
+    idle: bool = False
+
+    @classmethod
+    def idle_plan(cls, num_nodes: int) -> "StepPlan":
+        """The plan an idle coordinator broadcasts now and then: nothing to run, but every
+        rank's wait ends well inside the collective timeout."""
+        return replace(cls.stop_plan(num_nodes), stop=False, idle=True)
 
     @classmethod
     def stop_plan(cls, num_nodes: int) -> "StepPlan":
@@ -184,10 +196,12 @@ def build_plan(
     into per-microbatch plans (see :class:`StepPlan`).
     """
     feed_prev = any(r.inflight_rows for r in batch)
+    top_n = max((r.params.log_probs_top_n for r in batch), default=-1)
     if num_microbatches == 1:
-        return _plan(step, batch, admissions, num_nodes, record_logits, feed_prev)
+        return _plan(step, batch, admissions, num_nodes, record_logits, feed_prev, top_n)
     parts = tuple(
-        _plan(step, [r for r in batch if r.microbatch == m], (), num_nodes, record_logits, feed_prev)
+        _plan(step, [r for r in batch if r.microbatch == m], (), num_nodes, record_logits, feed_prev,
+              top_n)
         for m in range(num_microbatches)
     )
     return _concat(parts, admissions)
@@ -205,10 +219,12 @@ def _concat(parts: Tuple[StepPlan, ...], admissions: Sequence[Admission]) -> Ste
         requests_per_owner=tuple(map(sum, zip(*(p.requests_per_owner for p in parts)))),
         rows_per_owner=tuple(map(sum, zip(*(p.rows_per_owner for p in parts)))),
         record_logits=parts[0].record_logits, prev_token_index=prev, microbatches=parts,
+        log_probs_top_n=parts[0].log_probs_top_n,
     )
 
 
-def _plan(step, batch, admissions, num_nodes: int, record_logits: bool, feed_prev: bool) -> StepPlan:
+def _plan(step, batch, admissions, num_nodes: int, record_logits: bool, feed_prev: bool,
+          top_n: int = -1) -> StepPlan:
     batch = sorted(batch, key=lambda r: r.owner)  # stable: keeps admission order per owner
     pending = [_PREV if r.inflight_rows else r.pending_tokens() for r in batch]
     per_owner = [0] * num_nodes
@@ -242,6 +258,7 @@ def _plan(step, batch, admissions, num_nodes: int, record_logits: bool, feed_pre
         rows_per_owner=tuple(rows_owner),
         record_logits=record_logits,
         prev_token_index=prev,
+        log_probs_top_n=top_n,
     )
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -28,6 +28,7 @@ __all__ = [
     "greedy",
     "sample",
     "hash_uniform",
+    "token_log_probs",
 ]
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -41,7 +42,10 @@ class SamplingParams:
     where they overlap: ``temperature``, ``top_k`` and ``top_p`` mean the same, but here
     ``temperature == 0`` is greedy (Megatron: ``top_k=1``) and ``top_p == 1.0`` is off
     (Megatron: ``top_p=0.0``); ``max_new_tokens`` is Megatron's ``num_tokens_to_generate``,
-    ``eos_id`` its ``termination_id``; ``seed`` has no Megatron counterpart.
+    ``eos_id`` its ``termination_id``; ``stop_sequences`` are its ``stop_words`` already
+    tokenized; ``return_log_probs`` and ``top_n_logprobs`` mean the same (log-probs of the
+    generated tokens under the model's unscaled distribution); ``seed`` has no Megatron
+    counterpart. :mod:`tknp_megatron.serving.megatron_types` converts Megatron's own.
 
     ``__post_init__`` rejects bad values of every field except ``max_new_tokens``: the
     engine rejects ``max_new_tokens < 1`` per request with a message naming the request,
@@ -60,6 +64,14 @@ class SamplingParams:
     """Generation stops after this token; None means never."""
     seed: int = 0
     """Seed of the counter-based noise; any int64."""
+    return_log_probs: bool = False
+    """Return each generated token's log-prob (log-softmax of the unscaled logits)."""
+    top_n_logprobs: int = 0
+    """Also return the n most likely tokens and their log-probs at each step (needs
+    ``return_log_probs``)."""
+    stop_sequences: Tuple[Tuple[int, ...], ...] = ()
+    """Generation stops once the generated tokens end with one of these (kept in the
+    output, as Megatron's engine keeps a stop word)."""
 
     def __post_init__(self) -> None:
         bad = [p for p in self.problems() if not p.startswith("max_new_tokens")]
@@ -81,7 +93,18 @@ class SamplingParams:
             out.append(f"eos_id must be None or >= 0, got {self.eos_id}")
         if not (_INT64_MIN <= self.seed <= _INT64_MAX):
             out.append(f"seed must fit in int64, got {self.seed}")
+        if self.top_n_logprobs < 0:
+            out.append(f"top_n_logprobs must be >= 0, got {self.top_n_logprobs}")
+        if self.top_n_logprobs > 0 and not self.return_log_probs:
+            out.append(f"top_n_logprobs {self.top_n_logprobs} needs return_log_probs")
+        if any(len(s) == 0 for s in self.stop_sequences):
+            out.append("stop_sequences must not hold an empty sequence")
         return out
+
+    @property
+    def log_probs_top_n(self) -> int:
+        """-1 when no log-probs are asked for, else how many top tokens to return."""
+        return self.top_n_logprobs if self.return_log_probs else -1
 
     @property
     def is_greedy(self) -> bool:
@@ -225,3 +248,19 @@ def sample(
     gumbel = -torch.log(-torch.log(u))
     drawn = torch.argmax((scaled + gumbel).masked_fill(~keep, -math.inf), dim=-1)
     return torch.where(hot, drawn, greedy(x))
+
+
+def token_log_probs(
+    logits: torch.Tensor, tokens: torch.Tensor, top_n: int
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probs under the unscaled distribution, as Megatron's engine returns them.
+
+    ``logits`` ``[R, V]`` (any float dtype), ``tokens`` ``[R]`` int64 ->
+    ``(chosen [R] float32, top_values [R, top_n] float32, top_ids [R, top_n] int64)``:
+    the log-softmax at each row's token and its ``top_n`` largest entries.
+    """
+    lp = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    chosen = lp.gather(1, tokens[:, None]).squeeze(1)
+    values, ids = torch.topk(lp, top_n, dim=-1, sorted=True) if top_n > 0 else (
+        lp.new_empty(lp.shape[0], 0), tokens.new_empty(lp.shape[0], 0))
+    return chosen, values, ids

@@ -55,7 +55,7 @@ from tknp_megatron.host_to_device import to_device
 from tknp_megatron.kv_cache import KVCacheSpec, PagedKVCache
 from tknp_megatron.placement import balanced_placement
 from tknp_megatron.plan import Admission, StepPlan
-from tknp_megatron.sampling import SamplingTensors
+from tknp_megatron.sampling import SamplingTensors, token_log_probs
 
 __all__ = [
     "DCPGroups", "DCPStepInputs", "DCPExecutor", "DCPInferenceEngine",
@@ -215,7 +215,7 @@ class DCPExecutor:
         hidden = self.model.embedding(inp.tokens.unsqueeze(0), position_ids=None)  # [rows, 1, D]
         for layer in range(self.num_layers):
             hidden = self._layer(layer, hidden, inp)
-        out = self._sample(hidden, inp, plan.record_logits)
+        out = self._sample(hidden, inp, plan.record_logits, plan.log_probs_top_n)
         self.last_tokens = out.tokens  # rows of the next plan may be fed from them
         return out
 
@@ -266,13 +266,16 @@ class DCPExecutor:
         return merge_partials(recv, mine)
 
     # ---------------------------------------------------------------- sampling
-    def _sample(self, hidden: torch.Tensor, inp: DCPStepInputs, record_logits: bool) -> StepOutput:
-        """Every rank computes the logits (TP all-gather); the coordinator's draw is broadcast."""
+    def _sample(self, hidden: torch.Tensor, inp: DCPStepInputs, record_logits: bool,
+                top_n: int = -1) -> StepOutput:
+        """Every rank computes the logits (TP all-gather); the coordinator's draw is
+        broadcast; log-probs (``top_n >= 0``) are computed on every rank from its logits."""
         g = self.groups
         logits = vocab_logits(self.model, hidden, inp.last_rows, g.tp_group, g.tp_size, self.vocab_size)
         tokens = draw_tokens(logits, inp.sampling, inp.shape.all_greedy)
         dist.broadcast(tokens, src=g.coordinator_rank, group=g.pool_group)
-        return StepOutput(tokens, logits if record_logits else None)
+        log_probs = token_log_probs(logits, tokens, top_n) if top_n >= 0 else (None, None, None)
+        return StepOutput(tokens, logits if record_logits else None, *log_probs)
 
 
 class DCPInferenceEngine(LockstepEngine):

@@ -194,10 +194,15 @@ class PPInferenceEngine(InferenceEngine):
         reason = super()._problem(req)
         if reason is None and req.kv is not None:
             return f"request {req.request_id}: the PP baseline takes outside KV only as synthetic_kv"
+        if reason is None and req.params.return_log_probs:
+            return f"request {req.request_id}: the PP baseline returns no log-probs"
         return reason
 
     def _steps_in_flight(self) -> bool:
         return any(p is not None for p in self._awaiting)
+
+    def _forget_in_flight(self) -> None:
+        self._awaiting = [None] * self.num_microbatches
 
     def _lead(self) -> List[int]:
         """One tick: book microbatch m's tokens if its step is in flight, then plan and

@@ -29,8 +29,8 @@ from tknp_megatron.analysis.metrics import ServingMetrics, summarize
 from tknp_megatron.config import ModelPreset
 from tknp_megatron.engine.config import EngineConfig, GenerationResult
 from tknp_megatron.engine.intake import Arrival, ArrivalQueue, request_problem
-from tknp_megatron.engine.request import Request, RequestTimeline
-from tknp_megatron.engine.scheduler import Scheduler, SchedulerConfig
+from tknp_megatron.engine.request import Request, RequestStatus, RequestTimeline
+from tknp_megatron.engine.scheduler import Scheduler, SchedulerConfig, StepLogProbs
 from tknp_megatron.executor.base import Executor, StepOutput
 from tknp_megatron.executor.ingest import KVIngest
 from tknp_megatron.host_to_device import HostCopy
@@ -197,6 +197,32 @@ class InferenceEngine(abc.ABC):
             self.add_request(a.prompt, a.params, synthetic_kv=a.synthetic_kv,
                              arrival_time=self._arrivals.t0 + a.time_s, request_id=a.request_id)
 
+    def abort_all(self, reason: str) -> List[int]:
+        """Coordinator: end every request still waiting or running, with ``reason`` (the
+        server stops, or the pool failed); their KV blocks and slots are released and a
+        step still in flight is never booked. Returns their ids."""
+        self._require_coordinator("abort_all")
+        self._forget_in_flight()
+        self._arrivals.load((), self._arrivals.t0)
+        ended = []
+        for req in self.requests.values():
+            if req.status is RequestStatus.RUNNING:
+                self.scheduler.finish(req)
+            elif req.status is not RequestStatus.WAITING:
+                continue
+            req.reject(reason)
+            ended.append(req.request_id)
+        self.scheduler.drop_waiting()
+        return ended
+
+    def _forget_in_flight(self) -> None:
+        """Drop the record of steps queued but not booked (their tokens are never read)."""
+
+    def idle(self) -> None:
+        """Coordinator with nothing to run: let the other ranks know the pool is alive, so
+        that their wait for the next step ends inside the collective timeout."""
+        raise NotImplementedError(f"{type(self).__name__} has no idle heartbeat")
+
     def _wait_for_arrival(self) -> None:
         """Idle until the next arrival (nothing is queued or running)."""
         self._arrivals.sleep_until_next()
@@ -224,7 +250,8 @@ class InferenceEngine(abc.ABC):
         tokens = (copy or HostCopy(out.tokens)).result().tolist()
         self.loop_timing.wait_s += time.perf_counter() - start
         self.resident_log.append(self.scheduler.num_running())
-        finished = self.scheduler.postprocess(plan, tokens, out.logits, self.clock())
+        log_probs = StepLogProbs.read(out.log_probs, out.top_log_probs, out.top_ids)
+        finished = self.scheduler.postprocess(plan, tokens, out.logits, self.clock(), log_probs)
         used = self.scheduler.kv_tokens_per_node(plan)
         self.peak_kv_tokens = [max(p, u) for p, u in zip(self.peak_kv_tokens, used)]
         return finished
@@ -274,7 +301,18 @@ class InferenceEngine(abc.ABC):
         return GenerationResult(
             request_id, req.status, tuple(req.prompt), tuple(req.generated), req.owner,
             req.timeline.reject_reason, logits,
+            tuple(req.log_probs) if req.params.return_log_probs else None,
+            tuple(req.top_log_probs) if req.params.top_n_logprobs else None,
+            req.finish_reason() if req.status is RequestStatus.COMPLETED else None,
         )
+
+    def forget(self, request_id: int) -> None:
+        """Coordinator: drop an ended request's record (a long-running server keeps none;
+        :meth:`result` and :meth:`metrics` no longer see it)."""
+        req = self.requests[request_id]
+        if req.status in (RequestStatus.WAITING, RequestStatus.RUNNING):
+            raise ValueError(f"request {request_id} has not ended ({req.status.value})")
+        del self.requests[request_id]
 
     def metrics(self) -> ServingMetrics:
         """Serving metrics over every request submitted so far (coordinator)."""

@@ -55,7 +55,13 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class GenerationResult:
-    """How one request ended."""
+    """How one request ended.
+
+    ``log_probs`` (one per generated token) and ``top_log_probs`` (per token, the
+    ``top_n_logprobs`` most likely ``(id, log-prob)`` pairs) are set when the request
+    asked for them; ``finish_reason`` is ``"length"``, ``"eos"`` or ``"stop"`` once
+    completed.
+    """
 
     request_id: int
     status: RequestStatus
@@ -64,3 +70,6 @@ class GenerationResult:
     owner: int
     reject_reason: Optional[str] = None
     logits: Optional[torch.Tensor] = None
+    log_probs: Optional[tuple] = None
+    top_log_probs: Optional[tuple] = None
+    finish_reason: Optional[str] = None

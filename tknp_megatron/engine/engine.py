@@ -51,6 +51,13 @@ class LockstepEngine(InferenceEngine):
         """Coordinator: a step is queued whose tokens are not booked yet."""
         return self._inflight is not None
 
+    def _forget_in_flight(self) -> None:
+        self._inflight = None
+
+    def idle(self) -> None:
+        self._require_coordinator("idle")
+        self._broadcast([StepPlan.idle_plan(self.groups.num_nodes)])
+
     def _lead(self) -> List[int]:
         """The coordinator's step: plan and queue step n + 1, then book step n."""
         start, waited = time.perf_counter(), self.loop_timing.wait_s
@@ -96,6 +103,8 @@ class LockstepEngine(InferenceEngine):
         plan: StepPlan = box[0]
         if plan.stop:
             return False
+        if plan.idle:
+            return True
         self.executor.execute(plan)
         timing = self.loop_timing
         timing.steps += 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -101,6 +101,9 @@ class Request:
         inflight_index: the request's row in that step's sampled tokens.
         microbatch: its microbatch under dual-active-root or PP execution (fixed at admission).
         logits: per generated token, the full-vocabulary logits (only if recorded).
+        log_probs: per generated token, its log-prob (``params.return_log_probs``).
+        top_log_probs: per generated token, ``params.top_n_logprobs`` ``(id, log-prob)``
+            pairs, most likely first.
     """
 
     request_id: int
@@ -118,6 +121,8 @@ class Request:
     inflight_index: int = -1
     microbatch: int = 0
     logits: List[torch.Tensor] = field(default_factory=list)
+    log_probs: List[float] = field(default_factory=list)
+    top_log_probs: List[Tuple[Tuple[int, float], ...]] = field(default_factory=list)
 
     @property
     def status(self) -> RequestStatus:
@@ -145,14 +150,19 @@ class Request:
         self.timeline.mark_scheduled(now)
 
     def book_token(self, token: int, rows: int, now: float,
-                   logits: Optional[torch.Tensor] = None) -> None:
+                   logits: Optional[torch.Tensor] = None, log_prob: Optional[float] = None,
+                   top: Sequence[Tuple[int, float]] = ()) -> None:
         """A step's result: its ``rows`` fed tokens are cached and ``token`` was generated
-        (``logits`` ``[vocab]``, if recorded, are kept on the host)."""
+        (``logits`` ``[vocab]``, if recorded, are kept on the host; ``log_prob`` and the
+        ``top`` ``(id, log-prob)`` pairs are kept when the request asked for them)."""
         self.inflight_rows = 0
         self.num_cached += rows
         self.generated.append(token)
         if logits is not None:
             self.logits.append(logits.cpu())
+        if self.params.return_log_probs and log_prob is not None:
+            self.log_probs.append(log_prob)
+            self.top_log_probs.append(tuple(top[: self.params.top_n_logprobs]))
         self.timeline.record_token(now)
 
     def complete(self, now: float) -> None:
@@ -176,8 +186,18 @@ class Request:
         return len(self.generated) + (self.inflight_rows > 0) < self.params.max_new_tokens
 
     def finished(self) -> bool:
-        """Reached max new tokens or produced the end-of-sequence id."""
-        if len(self.generated) >= self.params.max_new_tokens:
-            return True
-        eos = self.params.eos_id
-        return eos is not None and bool(self.generated) and self.generated[-1] == eos
+        """Reached max new tokens, produced the end-of-sequence id or ended with a stop
+        sequence."""
+        return self.finish_reason() is not None
+
+    def finish_reason(self) -> Optional[str]:
+        """``"length"``, ``"eos"`` or ``"stop"`` once :meth:`finished`, else None."""
+        gen, p = self.generated, self.params
+        if len(gen) >= p.max_new_tokens:
+            return "length"
+        if p.eos_id is not None and gen and gen[-1] == p.eos_id:
+            return "eos"
+        for seq in p.stop_sequences:
+            if len(gen) >= len(seq) and tuple(gen[-len(seq):]) == seq:
+                return "stop"
+        return None

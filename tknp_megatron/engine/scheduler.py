@@ -26,7 +26,28 @@ from tknp_megatron.engine.request import Request
 from tknp_megatron.kv_cache import BlockAllocator
 from tknp_megatron.plan import Admission, StepPlan
 
-__all__ = ["LoadPolicy", "SchedulerConfig", "ScheduleResult", "Scheduler"]
+__all__ = ["LoadPolicy", "SchedulerConfig", "ScheduleResult", "Scheduler", "StepLogProbs"]
+
+
+@dataclass(frozen=True)
+class StepLogProbs:
+    """A step's log-probs read back to the host, per row in plan order: the sampled
+    token's log-prob and the top ``(id, log-prob)`` pairs, most likely first."""
+
+    chosen: List[float]
+    top_values: List[List[float]]
+    top_ids: List[List[int]]
+
+    @classmethod
+    def read(cls, log_probs: Optional[torch.Tensor], top_values: Optional[torch.Tensor],
+             top_ids: Optional[torch.Tensor]) -> Optional["StepLogProbs"]:
+        """From a step's ``[R]``, ``[R, K]``, ``[R, K]`` outputs (None when not computed)."""
+        if log_probs is None:
+            return None
+        return cls(log_probs.tolist(), top_values.tolist(), top_ids.tolist())
+
+    def row(self, i: int) -> Tuple[float, Tuple[Tuple[int, float], ...]]:
+        return self.chosen[i], tuple(zip(self.top_ids[i], self.top_values[i]))
 
 
 class LoadPolicy(str, enum.Enum):
@@ -99,6 +120,12 @@ class Scheduler:
     def enqueue(self, request: Request) -> None:
         self.waiting.append(request)
         self._live[request.request_id] = request
+
+    def drop_waiting(self) -> None:
+        """Forget every waiting request (they were ended elsewhere)."""
+        for request in self.waiting:
+            self._live.pop(request.request_id, None)
+        self.waiting.clear()
 
     def has_work(self) -> bool:
         return bool(self.waiting) or any(self.running)
@@ -181,17 +208,19 @@ class Scheduler:
                 req.inflight_rows, req.inflight_index = rows, i
 
     def postprocess(self, plan: StepPlan, tokens: Sequence[int],
-                    logits: Optional[torch.Tensor], now: float) -> List[int]:
+                    logits: Optional[torch.Tensor], now: float,
+                    log_probs: Optional[StepLogProbs] = None) -> List[int]:
         """Book a finished step: each request's sampled token (``tokens`` ``[R]`` in plan
-        order; ``logits`` ``[R, vocab]`` if recorded), and complete and release those that
-        are done. Returns the ids that finished."""
+        order; ``logits`` ``[R, vocab]`` if recorded; ``log_probs`` when the step computed
+        them), and complete and release those that are done. Returns the ids that finished."""
         finished, live = [], self._live
         cols = plan.per_request
         for i, (rid, rows) in enumerate(zip(cols.request_ids.tolist(), cols.q_lens.tolist())):
             req = live.get(rid)
-            if req is None:  # ended by EOS one step earlier
+            if req is None:  # ended (EOS or a stop sequence) one step earlier
                 continue
-            req.book_token(tokens[i], rows, now, None if logits is None else logits[i])
+            lp, top = (None, ()) if log_probs is None else log_probs.row(i)
+            req.book_token(tokens[i], rows, now, None if logits is None else logits[i], lp, top)
             if req.finished():
                 req.complete(now)
                 self.finish(req)

@@ -23,10 +23,18 @@ __all__ = ["Executor", "StepOutput"]
 
 @dataclass(frozen=True)
 class StepOutput:
-    """Sampled tokens ``[R]`` (batch order) and, if recorded, logits ``[R, vocab]``."""
+    """Sampled tokens ``[R]`` (batch order) and, if recorded, logits ``[R, vocab]``.
+
+    When the plan asks for log-probs (``plan.log_probs_top_n >= 0``, K of them):
+    ``log_probs`` ``[R]`` float32 (each token's log-prob), ``top_log_probs`` ``[R, K]``
+    float32 and ``top_ids`` ``[R, K]`` int64, computed where the logits are (the last root).
+    """
 
     tokens: torch.Tensor
     logits: Optional[torch.Tensor] = None
+    log_probs: Optional[torch.Tensor] = None
+    top_log_probs: Optional[torch.Tensor] = None
+    top_ids: Optional[torch.Tensor] = None
 
 
 @runtime_checkable

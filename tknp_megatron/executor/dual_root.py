@@ -53,7 +53,8 @@ class DualRootExecutor(TKNPExecutor):
         if len(plan.microbatches) != 2:
             raise ValueError("DualRootExecutor runs plans built with num_microbatches=2")
         self.apply_admissions(plan.admissions)
-        if self.graphs is not None and not plan.record_logits and plan.max_query_len == 1:
+        if (self.graphs is not None and not plan.record_logits and plan.log_probs_top_n < 0
+                and plan.max_query_len == 1):
             self.last_tokens = self.graphs.run(plan, self.last_tokens)
             return StepOutput(self.last_tokens)
         inputs = [
@@ -62,12 +63,17 @@ class DualRootExecutor(TKNPExecutor):
             for p in plan.microbatches
         ]
         hidden = self._run_layers(inputs)
-        parts = [self._sample(hidden[m], inp, plan.record_logits, self.placement.last_root(m))
+        parts = [self._sample(hidden[m], inp, plan.record_logits, self.placement.last_root(m),
+                              plan.log_probs_top_n)
                  for m, inp in enumerate(inputs) if inp is not None]
-        tokens = torch.cat([t for t, _ in parts])
-        logits = torch.cat([lg for _, lg in parts]) if plan.record_logits else None
-        self.last_tokens = tokens
-        return StepOutput(tokens, logits)
+
+        def cat(name):
+            values = [getattr(p, name) for p in parts]
+            return None if values[0] is None else torch.cat(values)
+
+        out = StepOutput(*(cat(f) for f in ("tokens", "logits", "log_probs", "top_log_probs", "top_ids")))
+        self.last_tokens = out.tokens
+        return out
 
     # ---------------------------------------------------------------- graphs
     def graph_inputs(self, plan: StepPlan, last_tokens, max_seq_len: int):
@@ -88,7 +94,7 @@ class DualRootExecutor(TKNPExecutor):
     def graph_forward(self, inputs) -> torch.Tensor:
         """The captured body: both microbatches' layers and sampling, ``[R_padded]`` tokens."""
         hidden = self._run_layers(list(inputs))
-        return torch.cat([self._sample(hidden[m], inp, False, self.placement.last_root(m))[0]
+        return torch.cat([self._sample(hidden[m], inp, False, self.placement.last_root(m)).tokens
                           for m, inp in enumerate(inputs) if inp is not None])
 
     # ---------------------------------------------------------------- the schedule

@@ -34,7 +34,7 @@ from tknp_megatron.models.model import StageModel
 from tknp_megatron.placement import Placement
 from tknp_megatron.plan import Admission, StepPlan
 from tknp_megatron.profiler import PhaseTimer
-from tknp_megatron.sampling import SamplingTensors, greedy, sample
+from tknp_megatron.sampling import SamplingTensors, greedy, sample, token_log_probs
 
 __all__ = ["TKNPExecutor", "draw_tokens"]
 
@@ -104,18 +104,21 @@ class TKNPExecutor:
         when it returns (the engine reads them after queueing the next step).
         """
         self.apply_admissions(plan.admissions)
-        use_graph = self.graphs is not None and timer is None and not plan.record_logits
+        use_graph = (self.graphs is not None and timer is None and not plan.record_logits
+                     and plan.log_probs_top_n < 0)  # graphs replay the tokens-only step
         if use_graph and plan.max_query_len == 1:
             out = StepOutput(self.graphs.run(plan, self.last_tokens))
         else:
             inputs = prepare_inputs(plan, self.node, self.kv, self.rope, self.device,
                                     last_tokens=self.last_tokens)
-            out = StepOutput(*self.forward(inputs, plan.record_logits, timer))
+            out = self.forward(inputs, plan.record_logits, timer, plan.log_probs_top_n)
         self.last_tokens = out.tokens
         return out
 
-    def forward(self, inp: StepInputs, record_logits: bool = False, timer=None):
-        """The layer loop and sampling over prepared inputs: ``(tokens [R], logits | None)``."""
+    def forward(self, inp: StepInputs, record_logits: bool = False, timer=None,
+                top_n: int = -1) -> StepOutput:
+        """The layer loop and sampling over prepared inputs (log-probs with ``top_n`` top
+        tokens when ``top_n >= 0``)."""
         hidden = self._embed(inp) if self.node == self.placement.root_of_layer(0) else None
         num_layers = self.placement.num_layers
         for layer in range(num_layers):
@@ -125,7 +128,7 @@ class TKNPExecutor:
             if nxt != root:
                 hidden = self._handoff(hidden, root, nxt, inp)
                 _mark(timer, "handoff")
-        return self._sample(hidden, inp, record_logits)
+        return self._sample(hidden, inp, record_logits, top_n=top_n)
 
     # ---------------------------------------------------------------- graphs
     def graph_inputs(self, plan: StepPlan, last_tokens, max_seq_len: int):
@@ -137,7 +140,7 @@ class TKNPExecutor:
 
     def graph_forward(self, inputs: StepInputs) -> torch.Tensor:
         """The captured body: ``[R_padded]`` tokens."""
-        return self.forward(inputs)[0]
+        return self.forward(inputs).tokens
 
     # ---------------------------------------------------------------- owner side
     def apply_admissions(self, admissions: Sequence[Admission]) -> None:
@@ -191,26 +194,38 @@ class TKNPExecutor:
         return self.comm.handoff(hidden, src, dst, buf)
 
     # ---------------------------------------------------------------- sampling
-    def _sample(self, hidden, inp: StepInputs, record_logits: bool, last_root: Optional[int] = None):
+    def _sample(self, hidden, inp: StepInputs, record_logits: bool, last_root: Optional[int] = None,
+                top_n: int = -1) -> StepOutput:
         """Logits and tokens on ``last_root`` (default: the last layer's root), broadcast to
-        the pool: ``(tokens [R], logits [R, vocab] | None)``."""
+        the pool: tokens ``[R]``, logits ``[R, vocab]`` if recorded, and with ``top_n >= 0``
+        the log-probs, computed there too (one packed ``[R, 1 + 2 top_n]`` broadcast)."""
         last_root = self.last_root if last_root is None else last_root
         src = self.groups.global_rank(last_root, 0)
         n = inp.last_rows.shape[0]
         tokens = torch.empty(n, dtype=torch.int64, device=self.device)
-        logits = None
+        logits = packed = None
         if record_logits:
             logits = torch.empty(n, self.vocab_size, dtype=torch.float32, device=self.device)
+        if top_n >= 0:
+            packed = torch.empty(n, 1 + 2 * top_n, dtype=torch.float32, device=self.device)
         if self.node == last_root:
             g = self.groups
             full = vocab_logits(self.model, hidden, inp.last_rows, g.tp_group, g.tp_size, self.vocab_size)
             tokens = draw_tokens(full, inp.sampling, inp.shape.all_greedy)
             if logits is not None:
                 logits.copy_(full)
+            if packed is not None:
+                chosen, values, ids = token_log_probs(full, tokens, top_n)
+                # ids travel as float32: exact below 2**24, far above any vocabulary
+                torch.cat((chosen[:, None], values, ids.to(torch.float32)), dim=1, out=packed)
         dist.broadcast(tokens, src=src, group=self.groups.pool_group)
         if logits is not None:
             dist.broadcast(logits, src=src, group=self.groups.pool_group)
-        return tokens, logits
+        if packed is None:
+            return StepOutput(tokens, logits)
+        dist.broadcast(packed, src=src, group=self.groups.pool_group)
+        return StepOutput(tokens, logits, packed[:, 0], packed[:, 1:1 + top_n],
+                          packed[:, 1 + top_n:].to(torch.int64))
 
 
 def draw_tokens(logits: torch.Tensor, sampling: SamplingTensors, all_greedy: bool) -> torch.Tensor:

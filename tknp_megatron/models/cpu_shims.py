@@ -6,6 +6,10 @@ buffer, so a Megatron ``TransformerLayer`` cannot run its own core attention on 
 :class:`SDPACoreAttention`, a causal ``scaled_dot_product_attention`` with
 ``DotProductAttention``'s constructor and call signature; everything else in the layer
 (QKV split, RoPE, projections, MLP, residuals) is Megatron's own forward.
+
+Megatron's inference request types mark NVTX ranges in ``serialize``
+(``torch.cuda.nvtx.range_push``), which raise on a CPU build of torch; a server on CPU
+calls :func:`allow_nvtx_without_cuda` first, which makes them no-ops there.
 """
 
 from __future__ import annotations
@@ -15,7 +19,18 @@ from typing import Optional
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
-__all__ = ["SDPACoreAttention", "cpu_torch_dist_save_strategy"]
+__all__ = ["SDPACoreAttention", "allow_nvtx_without_cuda", "cpu_torch_dist_save_strategy"]
+
+
+def allow_nvtx_without_cuda() -> None:
+    """On a torch built without CUDA, turn ``torch.cuda.nvtx.range_push`` / ``range_pop``
+    into no-ops (they only annotate profiles); a CUDA build is left alone."""
+    import torch
+
+    if torch.version.cuda is not None:
+        return
+    torch.cuda.nvtx.range_push = lambda *args, **kwargs: 0
+    torch.cuda.nvtx.range_pop = lambda *args, **kwargs: 0
 
 
 class SDPACoreAttention(MegatronModule):

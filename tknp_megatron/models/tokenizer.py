@@ -7,6 +7,12 @@ nothing is downloaded) and falls back to the ``tokenizers`` library's
 BOS is kept when the tokenizer puts one in front by default (Llama's ``<s>`` /
 ``<|begin_of_text|>``): the model was trained to see it, so leaving it out changes the
 output. EOS, when the tokenizer names one, is what stops generation.
+
+:class:`Tokenizer` also has the interface Megatron-Core's inference server and
+coordinator call (``tokenize`` / ``detokenize`` / ``eod`` / ``bos`` / ``vocab_size``, as
+``megatron.core.tokenizers`` tokenizers have) and pickles as its folder, so the same object
+serves the main job and Megatron's server processes. :func:`server_tokenizer` gives a model
+without a tokenizer folder Megatron's own null tokenizer (text is space-separated ids).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Any, List, Optional, Sequence, Union
 
-__all__ = ["Tokenizer"]
+__all__ = ["Tokenizer", "server_tokenizer"]
 
 PathLike = Union[str, os.PathLike]
 _PROBE = "a"  # any ordinary text: shows whether encoding puts a BOS in front
@@ -112,6 +118,41 @@ class Tokenizer:
             return self._hf.decode(ids, skip_special_tokens=skip_special_tokens)
         return self._raw.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    # ------------------------------------------------ Megatron's tokenizer interface
+    def tokenize(self, text: str) -> List[int]:
+        """Megatron's name for :meth:`encode` (BOS as the tokenizer puts it by default)."""
+        return self.encode(text)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Megatron's name for :meth:`decode` (special tokens dropped)."""
+        return self.decode(ids)
+
+    @property
+    def eod(self) -> Optional[int]:
+        """End of document: the EOS id."""
+        return self.eos_id
+
+    @property
+    def bos(self) -> Optional[int]:
+        return self.bos_id
+
+    def __getstate__(self):
+        return {"folder": str(self.folder)}  # reloaded in the receiving process
+
+    def __setstate__(self, state):
+        self.__init__(state["folder"])
+
     def __repr__(self) -> str:
         kind = "transformers" if self._hf is not None else "tokenizers"
         return f"Tokenizer({str(self.folder)!r}, {kind}, vocab {self.vocab_size}, eos {self.eos_id})"
+
+
+def server_tokenizer(folder: Optional[PathLike], vocab_size: int):
+    """The tokenizer Megatron's server and coordinator use: :class:`Tokenizer` of
+    ``folder``, or without one Megatron's null tokenizer over ``vocab_size`` ids (prompts
+    are space-separated ids; its ``eod`` is the last id, ``vocab_size - 1``)."""
+    if folder:
+        return Tokenizer(folder)
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    return MegatronTokenizer.from_pretrained(metadata_path={"library": "null"}, vocab_size=vocab_size - 1)

@@ -1,0 +1,259 @@
+"""Serve TKNP pools behind Megatron-Core's own inference server until stopped.
+
+Rank 0 starts Megatron's ``DataParallelInferenceCoordinator`` and its HTTP server
+(``POST /v1/completions``, ``/v1/chat/completions``, ``GET /health``); the coordinator
+rank of every pool registers with the coordinator as one data-parallel engine and serves
+it (``tknp_megatron.serving``). With no arguments (CPU): one pool of 2 nodes x TP2 = 4
+gloo processes, the ``tiny`` preset with seeded weights, Megatron's null tokenizer (a
+prompt is space-separated token ids), on http://127.0.0.1:5000. ::
+
+    python examples/serve_tknp.py                       # or: make serve
+    curl -s http://127.0.0.1:5000/v1/completions -H 'Content-Type: application/json' \\
+         -d '{"prompt": "1 2 3 4", "max_tokens": 8, "temperature": 0}'
+
+On GPUs, one process per GPU under torchrun (``--pools`` pools of ``--nodes`` x ``--tp``)::
+
+    torchrun --nproc-per-node 2 examples/serve_tknp.py --device cuda --nodes 2 --tp 1
+
+Models: ``--model`` (a preset, seeded weights), ``--load DIR`` (Megatron checkpoint),
+``--hf DIR`` (Hugging Face folder), ``--model-config FILE``; ``--tokenizer DIR`` (a
+Hugging Face tokenizer folder) for text. Every flag is checked before any process
+starts (one line naming it, exit status 2). SIGTERM or Ctrl-C stops the server in order:
+requests still open end with an error naming the stop, and every process exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed")
+
+from job_inputs import JobError, load_tokenizer  # noqa: E402
+
+from tknp_megatron.config import PRESETS, dtype_from_name  # noqa: E402
+from tknp_megatron.launch import init_distributed, supervise  # noqa: E402
+from tknp_megatron.models.source import (  # noqa: E402
+    ModelSource,
+    SourceError,
+    converted_checkpoint,
+    resolve_source,
+)
+from tknp_megatron.pool_checks import pool_problems  # noqa: E402
+
+PROG = "serve_tknp.py"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--nodes", type=int, default=2, help="token-parallel nodes N per pool")
+    p.add_argument("--tp", type=int, default=2, help="TP ranks per node T")
+    p.add_argument("--pools", type=int, default=1,
+                   help="pools in the world, each a data-parallel engine of the coordinator")
+    p.add_argument("--model", default=None,
+                   help=f"model preset with seeded weights (default tiny): {', '.join(sorted(PRESETS))}")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--load", default=None, metavar="DIR", help="Megatron dist checkpoint")
+    src.add_argument("--hf", default=None, metavar="DIR",
+                     help="Hugging Face Llama / Mistral / Qwen2 / Nemotron folder")
+    p.add_argument("--model-config", default=None, metavar="FILE", help="model JSON")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="HF tokenizer folder (default: Megatron's null tokenizer, ids as text)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the preset's weights")
+    p.add_argument("--kv-tokens-per-node", type=int, default=None,
+                   help="KV budget per node in tokens (CPU default: 4 x max_sequence_length; "
+                        "GPU: sized from free memory)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-requests-per-node", type=int, default=256)
+    p.add_argument("--attention-backend", default=None)
+    p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="float32 (CPU default) or bfloat16 (GPU default)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="interface of the HTTP server and the coordinator (0.0.0.0: all)")
+    p.add_argument("--port", type=int, default=5000, help="HTTP port")
+    p.add_argument("--coordinator-port", type=int, default=None, help="Megatron coordinator's port")
+    p.add_argument("--idle-tick", type=float, default=1.0,
+                   help="seconds an idle pool waits before telling its ranks it is alive")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="collective timeout in seconds (a hung or dead rank fails the pool)")
+    args = p.parse_args(argv)
+    if args.dtype is None:
+        args.dtype = "float32" if args.device == "cpu" else "bfloat16"
+    if args.model and (args.load or args.hf or args.model_config):
+        p.error("--model is a preset with seeded weights: not with --load / --hf / --model-config")
+    if args.hf and args.model_config:
+        p.error("--hf takes the architecture from the folder's config.json")
+    return args
+
+
+@dataclass(frozen=True)
+class ServeJob:
+    """Everything the ranks need (pickled to spawned workers)."""
+
+    args: argparse.Namespace
+    model: ModelSource
+    kv_tokens: Optional[int]
+
+
+def prepare(args) -> ServeJob:
+    """Resolve and check every input (no process started)."""
+    source = resolve_source(args.model, args.load, args.hf, args.model_config, args.seed)
+    preset = source.preset
+    problems = [f"--{p}" for p in pool_problems(preset, args.nodes, args.tp)]
+    for flag, value in (("--pools", args.pools), ("--block-size", args.block_size),
+                        ("--max-requests-per-node", args.max_requests_per_node)):
+        if value < 1:
+            problems.append(f"{flag} {value}: must be at least 1")
+    for flag, value in (("--port", args.port), ("--coordinator-port", args.coordinator_port)):
+        if value is not None and not 1 <= value <= 65535:
+            problems.append(f"{flag} {value}: must be a TCP port in [1, 65535]")
+    for flag, value in (("--idle-tick", args.idle_tick), ("--timeout", args.timeout)):
+        if not value > 0:
+            problems.append(f"{flag} {value}: must be positive (seconds)")
+    if args.idle_tick > 0 and args.timeout > 0 and args.idle_tick * 4 > args.timeout:
+        problems.append(f"--idle-tick {args.idle_tick}: must be well inside --timeout "
+                        f"{args.timeout} (at most a quarter of it)")
+    kv = args.kv_tokens_per_node
+    if kv is not None and kv < args.block_size:
+        problems.append(f"--kv-tokens-per-node {kv}: must hold at least one block "
+                        f"(--block-size {args.block_size})")
+    if problems:
+        raise JobError("; ".join(problems))
+    load_tokenizer(args, preset)  # checked here; every process loads its own
+    if kv is None and args.device == "cpu":
+        kv = 4 * preset.gpt.max_sequence_length
+    return ServeJob(args, source, kv)
+
+
+# ----------------------------------------------------------------------------- a rank
+def _device(args, rank: int) -> torch.device:
+    if args.device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def serve_rank(rank: int, world: int, job: ServeJob) -> None:
+    """One rank: build the pool's engine; a pool coordinator serves Megatron's
+    coordinator, the other ranks follow it; rank 0 also runs Megatron's front end."""
+    import parallel_state as ps
+    from tknp_megatron.engine.config import EngineConfig
+    from tknp_megatron.engine.factory import Mode, build_engine
+    from tknp_megatron.models.tokenizer import server_tokenizer
+    from tknp_megatron.serving.coordinator_link import CoordinatorLink
+    from tknp_megatron.serving.frontend import Frontend
+    from tknp_megatron.serving.pool_server import PoolServer
+
+    warnings.simplefilter("ignore")  # Megatron warns about missing Apex / TE at import
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    args, source = job.args, job.model
+    preset = source.preset
+    device = _device(args, rank)
+    groups = ps.initialize_model_parallel(tensor_model_parallel_size=args.tp,
+                                          token_parallel_size=args.nodes, num_pools=args.pools)
+    config = EngineConfig(
+        block_size=args.block_size, kv_tokens_per_node=job.kv_tokens,
+        max_requests_per_node=args.max_requests_per_node,
+        attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs,
+    )
+    engine = build_engine(Mode.TKNP, preset, groups, config, device, dtype_from_name(args.dtype),
+                          weights=source.checkpoint or args.seed, padded_vocab=source.padded_vocab)
+    tokenizer = server_tokenizer(args.tokenizer, preset.vocab_size)
+    object_device = device if device.type == "cuda" else None
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    frontend = None
+    if rank == 0:
+        frontend = Frontend(args.pools, tokenizer, args.host, args.coordinator_port,
+                            args.max_requests_per_node * args.nodes)
+    box = [frontend.address if frontend else None]
+    dist.broadcast_object_list(box, src=0, device=object_device)
+    failed = True
+    try:
+        if groups.is_coordinator:
+            link = CoordinatorLink(box[0], groups.pool)
+            if frontend is not None:
+                frontend.wait_for_engines(args.timeout)
+                url = frontend.serve_http(args.port)
+                ready = dict(url=url, coordinator=frontend.address, pools=args.pools,
+                             nodes=args.nodes, tp=args.tp, model=preset.name, rank_pids=pids,
+                             kv_tokens_per_node=engine.kv_capacity_tokens)
+                print(f"{PROG}: ready {json.dumps(ready)}", flush=True)
+            server = PoolServer(engine, link, tokenizer, preset.gpt.max_sequence_length,
+                                args.idle_tick, stop.is_set)
+            try:
+                summary = server.run()
+            finally:
+                link.close()
+            print(f"{PROG}: pool {summary.pool} ended ({summary.stopped_by}): "
+                  f"{summary.completed} completed, {summary.failed} failed, {summary.steps} steps",
+                  flush=True)
+        else:
+            engine.serve()
+        failed = False
+    finally:
+        if frontend is not None:
+            if failed or stop.is_set():
+                time.sleep(2.0)  # the last error replies reach their clients first
+            frontend.stop()
+    ps.destroy_model_parallel()
+
+
+# ----------------------------------------------------------------------------- launch
+def run_torchrun(job: ServeJob) -> int:
+    args = job.args
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    _device(args, rank)  # bind the GPU before NCCL starts
+    init_distributed("nccl" if args.device == "cuda" else "gloo", rank, world, args.timeout)
+    with converted_checkpoint(job.model, args.dtype, args.timeout, convert_here=rank == 0) as source:
+        box = [source]
+        object_device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else None
+        dist.broadcast_object_list(box, src=0, device=object_device)
+        serve_rank(rank, world, ServeJob(args, box[0], job.kv_tokens))
+    dist.destroy_process_group()
+    return 0
+
+
+def run_local(job: ServeJob) -> int:
+    args = job.args
+    with converted_checkpoint(job.model, args.dtype, args.timeout) as source:
+        world = args.pools * args.nodes * args.tp
+        return supervise(serve_rank, world, (ServeJob(args, source, job.kv_tokens),),
+                         timeout_s=args.timeout)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        world = args.pools * args.nodes * args.tp
+        if args.device == "cuda" and "RANK" not in os.environ:
+            raise JobError("--device cuda: runs under torchrun, one process per GPU")
+        if "RANK" in os.environ and int(os.environ["WORLD_SIZE"]) != world:
+            raise JobError(f"--pools {args.pools} --nodes {args.nodes} --tp {args.tp}: their product "
+                           f"must equal torchrun's WORLD_SIZE {os.environ['WORLD_SIZE']}")
+        job = prepare(args)
+    except (JobError, SourceError) as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    return run_torchrun(job) if "RANK" in os.environ else run_local(job)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

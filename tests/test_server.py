@@ -1,0 +1,275 @@
+"""Megatron-Core's own inference server in front of TKNP pools, over real HTTP.
+
+One server (``examples/serve_tknp.py``: two pools of 2 nodes x TP1 behind Megatron's
+coordinator and its HTTP front end, gloo on CPU, the ``tiny`` preset, Megatron's null
+tokenizer) is queried with the ``openai`` client, plain HTTP and Megatron's own
+``InferenceClient``; its answers are checked against the engine's offline ``generate`` on
+the same weights and against the reference model's log-softmax. A second server is
+broken on purpose (a rank killed mid-decode).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+import torch
+
+from tknp_megatron.launch import spawn
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVE = ROOT / "examples" / "serve_tknp.py"
+EOD = 511  # Megatron's null tokenizer over the tiny preset's 512 ids
+KV_PER_NODE = 128  # 4 nodes x 4 requests of 2 blocks: a quarter of the 64-request load
+MAX_TOKENS = 8
+START_TIMEOUT_S = 180
+
+
+class Server:
+    """``serve_tknp.py`` in a subprocess: its ready line, its stdout, its process tree."""
+
+    def __init__(self, *flags: str):
+        from tknp_megatron.serving.frontend import free_tcp_port
+
+        self.port = free_tcp_port()
+        self.stderr = open(os.devnull, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(SERVE), "--port", str(self.port), *flags],
+            stdout=subprocess.PIPE, stderr=self.stderr, text=True, cwd=ROOT,
+        )
+        self.lines: list = []
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self._ready.wait(START_TIMEOUT_S):
+            self.kill()
+            raise AssertionError(f"server not ready within {START_TIMEOUT_S} s: {self.lines}")
+        line = next(x for x in self.lines if " ready " in x)
+        self.info = json.loads(line.split(" ready ", 1)[1])
+        self.url = self.info["url"]
+        self.tree = [self.proc.pid] + [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            if " ready " in line:
+                self._ready.set()
+
+    def alive(self) -> list:
+        return [p for p in self.tree if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+
+    def kill(self):
+        for p in self.alive():
+            os.kill(p, signal.SIGKILL)
+        self.proc.wait(10)
+        self.stderr.close()
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--pools", "2", "--nodes", "2", "--tp", "1", "--kv-tokens-per-node", str(KV_PER_NODE),
+               "--idle-tick", "0.5")
+    yield s
+    if s.proc.poll() is None:
+        s.kill()
+
+
+def _prompts(n: int, seed: int) -> list:
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(9, 17, (n,), generator=gen).tolist()  # + 8 new tokens: 2 blocks each
+    return [torch.randint(0, EOD, (k,), generator=gen).tolist() for k in lens]
+
+
+def _ids(text: str) -> list:
+    return [int(t) for t in text.split()]
+
+
+def offline_worker(rank, world, prompts, sequences):
+    """The engine's own ``generate`` on a 2 x TP1 pool (same weights, budget and end
+    token), then on rank 0 the reference model's log-softmax along ``sequences``
+    (``(prompt_len, ids)``: the log-prob of every token after the prompt)."""
+    from megatron.core import parallel_state as mpu
+
+    import parallel_state as ps
+    from tknp_megatron.config import get_preset
+    from tknp_megatron.engine.config import EngineConfig
+    from tknp_megatron.engine.factory import Mode, build_engine, load_weights
+    from tknp_megatron.executor.rope import Rope
+    from tknp_megatron.models.reference import build_reference_model, reference_logits
+    from tknp_megatron.sampling import SamplingParams
+
+    preset = get_preset("tiny")
+    groups = ps.initialize_model_parallel(tensor_model_parallel_size=1, token_parallel_size=2)
+    engine = build_engine(Mode.TKNP, preset, groups, EngineConfig(kv_tokens_per_node=KV_PER_NODE),
+                          torch.device("cpu"), torch.float32, weights=0)
+    params = SamplingParams(max_new_tokens=MAX_TOKENS, eos_id=EOD)
+    results = engine.generate(prompts, params)
+    ps.destroy_model_parallel()
+    mpu.initialize_model_parallel(1)
+    ref = None
+    if rank == 0:
+        model = build_reference_model(preset)
+        load_weights(model, preset, 0)
+        rope = Rope(preset, model.config, torch.device("cpu"))
+        ref = []
+        for prompt_len, ids in sequences:
+            lp = torch.log_softmax(reference_logits(model, rope, torch.tensor(ids), preset.vocab_size), -1)
+            rows = lp[prompt_len - 1: len(ids) - 1]
+            ref.append((rows.gather(1, torch.tensor(ids[prompt_len:])[:, None])[:, 0], rows))
+    mpu.destroy_model_parallel()
+    return [r.tokens for r in results], ref
+
+
+@pytest.fixture(scope="module")
+def served(server):
+    """64 concurrent greedy requests over HTTP (log-probs with the top 2), and the offline
+    run of the same prompts with the reference log-probs of what was served."""
+    prompts = _prompts(64, seed=1)
+
+    def ask(p):
+        body = dict(prompt=p, max_tokens=MAX_TOKENS, temperature=0, logprobs=2)
+        return requests.post(server.url + "/v1/completions", json=body, timeout=300)
+
+    with ThreadPoolExecutor(64) as pool:
+        replies = list(pool.map(ask, prompts))
+    assert [r.status_code for r in replies] == [200] * 64, [r.text for r in replies if r.status_code != 200]
+    choices = [r.json()["choices"][0] for r in replies]
+    tokens = [_ids(c["text"]) for c in choices]
+    sequences = [(len(p), p + t) for p, t in zip(prompts, tokens)]
+    offline, ref = spawn(offline_worker, 2, (prompts, sequences), timeout_s=300)[0]
+    return dict(prompts=prompts, choices=choices, tokens=tokens, offline=offline, ref=ref)
+
+
+def test_64_concurrent_requests_over_a_quarter_budget_equal_the_offline_run(served):
+    assert all(served["tokens"]), "every request generated tokens"
+    assert [tuple(t) for t in served["tokens"]] == [tuple(t) for t in served["offline"]]
+
+
+def test_log_probs_equal_the_reference_log_softmax(served):
+    for choice, (lp, rows) in zip(served["choices"], served["ref"]):
+        got = choice["logprobs"]["token_logprobs"][1:]  # Megatron puts None first
+        assert torch.allclose(torch.tensor(got), lp, atol=1e-4, rtol=0)
+        for top, row in zip(choice["logprobs"]["top_logprobs"][1:], rows):
+            want = torch.topk(row, 2)
+            assert sorted(_ids(" ".join(top))) == sorted(want.indices.tolist())
+            assert torch.allclose(torch.tensor(sorted(top.values(), reverse=True)), want.values, atol=1e-4)
+
+
+def test_openai_client_greedy_completion_equals_the_offline_tokens(server, served):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="none", timeout=120)
+    for i in (0, 1, 2):
+        text = " ".join(map(str, served["prompts"][i]))
+        out = client.completions.create(model="tiny", prompt=text, max_tokens=MAX_TOKENS, temperature=0)
+        assert _ids(out.choices[0].text) == list(served["offline"][i])
+
+
+def test_max_tokens_and_health_over_plain_http(server, served):
+    assert requests.get(server.url + "/health", timeout=30).json()["ready"] is True
+    for n in (1, 3):
+        body = dict(prompt=served["prompts"][5], max_tokens=n, temperature=0)
+        r = requests.post(server.url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200 and _ids(r.json()["choices"][0]["text"]) == list(served["offline"][5][:n])
+
+
+def _megatron_client(server, prompt, **params):
+    """Megatron's own ``InferenceClient`` (ZMQ to its coordinator): one record back."""
+    from megatron.core.inference.inference_client import InferenceClient
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    async def go():
+        client = InferenceClient(server.info["coordinator"])
+        await client.start()
+        try:
+            return await asyncio.wait_for(client.add_request(prompt, SamplingParams(**params)), 120)
+        finally:
+            client.stop()
+
+    return asyncio.run(go())
+
+
+def test_stop_words_end_a_request_where_megatrons_engine_would(server, served):
+    full = list(served["offline"][7])
+    word = full[2]  # the first occurrence of this token ends the request, and is kept
+    cut = full[: full.index(word) + 1]
+    record = _megatron_client(server, served["prompts"][7], temperature=1.0, top_k=1,
+                              num_tokens_to_generate=MAX_TOKENS, stop_words=[str(word)],
+                              return_log_probs=True, skip_prompt_log_probs=True)
+    request = record.requests[-1]
+    assert request.status.name == "COMPLETED"
+    assert list(request.generated_tokens) == cut
+    assert _ids(request.generated_text) == cut
+    assert len(request.generated_log_probs) == len(cut)
+
+
+@pytest.mark.parametrize("body, status, message", [
+    (dict(prompt="", max_tokens=4), 400, "prompt' is empty"),
+    (dict(prompt="1 2 600", max_tokens=4), 500, "token id 600 outside the vocabulary [0, 512)"),
+    (dict(prompt="1 2 3", max_tokens=0), 500, "num_tokens_to_generate 0: must be at least 1"),
+    (dict(prompt=" ".join(["7"] * 1100), max_tokens=4), 500, "exceeds max_sequence_length 1024"),
+    (dict(prompt="1 2 3", max_tokens=4, temperature=-1), 500, "temperature -1.0: must be finite and >= 0"),
+    ("{not json", 400, "not a JSON object"),
+], ids=["empty", "vocab", "max_tokens_0", "too_long", "negative_temperature", "malformed_json"])
+def test_bad_input_is_answered_with_the_problem_and_the_server_keeps_serving(server, served, body, status, message):
+    if isinstance(body, str):
+        r = requests.post(server.url + "/v1/completions", data=body, timeout=60,
+                          headers={"Content-Type": "application/json"})
+    else:
+        r = requests.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == status and message in r.text, r.text
+    good = requests.post(server.url + "/v1/completions", timeout=120,
+                         json=dict(prompt=served["prompts"][0], max_tokens=MAX_TOKENS, temperature=0))
+    assert _ids(good.json()["choices"][0]["text"]) == list(served["offline"][0])
+
+
+def test_orderly_stop_both_pools_served_and_nothing_is_left(server, served):
+    start = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(60) == 0
+    assert time.monotonic() - start < 60
+    deadline = time.monotonic() + 10
+    while server.alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert server.alive() == []
+    ended = [line for line in server.lines if " ended " in line]
+    completed = {int(line.split("pool ")[1].split()[0]): int(line.split("): ")[1].split()[0]) for line in ended}
+    assert sorted(completed) == [0, 1] and min(completed.values()) > 0, ended
+
+
+def test_a_rank_killed_mid_decode_fails_open_requests_and_every_process_exits():
+    s = Server("--nodes", "2", "--tp", "1")
+    try:
+        def ask(i):
+            body = dict(prompt=[1, 2, 3, i], max_tokens=900, temperature=0)
+            r = requests.post(s.url + "/v1/completions", json=body, timeout=120)
+            return r, time.monotonic()
+
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(ask, i) for i in range(4)]
+            time.sleep(3.0)  # decoding
+            killed_at = time.monotonic()
+            os.kill(s.info["rank_pids"][1], signal.SIGKILL)
+            replies = [f.result() for f in futures]
+        in_flight = [r for r, t in replies if t > killed_at]
+        assert in_flight, "every request ended before the kill: nothing was tested"
+        for r in in_flight:  # (one that ended on its end token before the kill is fine)
+            assert r.status_code >= 400 and "pool 0 failed" in r.text, r.text
+        assert s.proc.wait(60) != 0
+        deadline = time.monotonic() + 15
+        while s.alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert s.alive() == []
+    finally:
+        if s.proc.poll() is None:
+            s.kill()

@@ -1,0 +1,206 @@
+"""Megatron-Core's request types in and out of a TKNP pool.
+
+In: Megatron's ``SamplingParams`` (as its coordinator forwards them, a dict) and a prompt
+(token ids, or text Megatron's engine would tokenize) become this library's
+:class:`~tknp_megatron.sampling.SamplingParams` with Megatron's conventions applied
+(:func:`to_engine_request`). Out: an ended request becomes the installed megatron-core's
+own ``DynamicInferenceRequest``, serialized by its own ``serialize`` (:func:`reply_item`),
+so the wire format follows the installed version:
+
+- megatron-core 0.16 replies with request *records* (``DynamicInferenceRequestRecord``,
+  ``{"requests": [request]}``) and its coordinator expects PAUSE_ACK / STOP_ACK;
+- 0.17 and later reply with merged requests and have no acknowledgements.
+
+Nothing here is copied from Megatron: the classes, headers and enums are imported.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from packaging.version import Version
+
+from tknp_megatron.engine.config import GenerationResult
+from tknp_megatron.engine.request import RequestStatus
+from tknp_megatron.sampling import SamplingParams
+
+__all__ = [
+    "MEGATRON_VERSION",
+    "REPLIES_ARE_RECORDS",
+    "EngineRequest",
+    "RequestRefused",
+    "reply_item",
+    "to_engine_request",
+    "tokenize_prompt",
+]
+
+
+def _megatron_version() -> Version:
+    import megatron.core
+
+    return Version(megatron.core.__version__)
+
+
+MEGATRON_VERSION = _megatron_version()
+REPLIES_ARE_RECORDS = MEGATRON_VERSION < Version("0.17")
+"""megatron-core 0.16 sends ``DynamicInferenceRequestRecord``\\ s through its coordinator;
+0.17 and later send the merged ``DynamicInferenceRequest``."""
+
+
+class RequestRefused(ValueError):
+    """A request the pool can never serve; the message names the field, value and limit."""
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A Megatron request as this library's engine takes it."""
+
+    prompt: Tuple[int, ...]
+    params: SamplingParams
+
+
+def tokenize_prompt(tokenizer, text: str, add_bos: bool) -> List[int]:
+    """Text -> ids as Megatron's ``TextGenerationController.tokenize_prompt`` does it:
+    leading BOS tokens are dropped, then one BOS is put in front when ``add_bos``."""
+    ids = list(tokenizer.tokenize(text))
+    bos = getattr(tokenizer, "bos", None)
+    if add_bos and bos is None:
+        raise RequestRefused("add_BOS is set but the tokenizer has no BOS token")
+    while ids and bos is not None and ids[0] == bos:
+        ids.pop(0)
+    return [bos] + ids if add_bos else ids
+
+
+def _field(params: Dict[str, Any], name: str, default):
+    value = params.get(name, default)
+    return default if value is None and default is not None else value
+
+
+def to_engine_request(
+    prompt: Union[str, Sequence[int]],
+    params: Dict[str, Any],
+    tokenizer,
+    max_sequence_length: int,
+) -> EngineRequest:
+    """Megatron's ``(prompt, SamplingParams.serialize())`` -> the engine's request.
+
+    Megatron's conventions, applied as its engine applies them: ``top_k == 1`` or
+    ``temperature == 0`` is greedy; ``top_p == 0`` is off; ``termination_id`` None is the
+    tokenizer's ``eod`` and -1 is none; ``num_tokens_to_generate`` None means
+    ``num_tokens_total - len(prompt)``, else up to ``max_sequence_length``; stop words are
+    tokenized without BOS. Prompt log-probs (``return_log_probs`` without
+    ``skip_prompt_log_probs``) are refused: a decode pool receives its prompts' KV and
+    never computes their logits.
+
+    Raises:
+        RequestRefused: naming the field, its value and what is allowed.
+    """
+    if isinstance(prompt, str):
+        ids = tokenize_prompt(tokenizer, prompt, bool(params.get("add_BOS", False)))
+    elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                   for t in prompt):
+        ids = list(prompt)
+    else:
+        raise RequestRefused(f"prompt of type {type(prompt).__name__}: expected text or a list of "
+                             "token ids")
+    try:
+        temperature = float(_field(params, "temperature", 1.0))
+        top_k = int(_field(params, "top_k", 0))
+        top_p = float(_field(params, "top_p", 0.0))
+    except (TypeError, ValueError) as err:
+        raise RequestRefused(f"sampling parameters: {err}") from None
+    if not math.isfinite(temperature) or temperature < 0:
+        raise RequestRefused(f"temperature {temperature}: must be finite and >= 0")
+    if not 0.0 <= top_p <= 1.0:
+        raise RequestRefused(f"top_p {top_p}: must be in [0, 1] (0 is off)")
+    if top_k < 0:
+        raise RequestRefused(f"top_k {top_k}: must be >= 0 (0 is off)")
+    greedy = top_k == 1 or temperature == 0.0
+    new_tokens = params.get("num_tokens_to_generate")
+    if new_tokens is not None and int(new_tokens) < 1:
+        raise RequestRefused(f"num_tokens_to_generate {new_tokens}: must be at least 1")
+    if new_tokens is None:
+        total = params.get("num_tokens_total")
+        new_tokens = (total if total is not None else max_sequence_length) - len(ids)
+    termination = params.get("termination_id")
+    if termination is None:
+        termination = getattr(tokenizer, "eod", None)
+    return_log_probs = bool(params.get("return_log_probs", False))
+    if return_log_probs and not params.get("skip_prompt_log_probs", False):
+        raise RequestRefused("return_log_probs with skip_prompt_log_probs False: prompt log-probs "
+                             "are not computed by a decode pool (set skip_prompt_log_probs)")
+    stop = tuple(tuple(tokenize_prompt(tokenizer, word, False)) for word in params.get("stop_words") or ())
+    if any(not s for s in stop):
+        raise RequestRefused(f"stop_words {params.get('stop_words')}: a stop word has no tokens")
+    try:
+        engine_params = SamplingParams(
+            temperature=0.0 if greedy else temperature,
+            top_k=0 if greedy else top_k,
+            top_p=1.0 if greedy or top_p == 0.0 else top_p,
+            max_new_tokens=int(new_tokens),
+            eos_id=None if termination is None or termination < 0 else int(termination),
+            return_log_probs=return_log_probs,
+            top_n_logprobs=int(params.get("top_n_logprobs") or 0),
+            stop_sequences=stop,
+        )
+    except ValueError as err:
+        raise RequestRefused(str(err).replace("invalid SamplingParams: ", "")) from None
+    return EngineRequest(tuple(ids), engine_params)
+
+
+def reply_item(
+    request_id: int,
+    prompt: Sequence[int],
+    megatron_params: Dict[str, Any],
+    tokenizer,
+    result: Optional[GenerationResult] = None,
+    failure: Optional[str] = None,
+) -> Dict[str, Any]:
+    """One ended request as the installed megatron-core serializes it for its coordinator.
+
+    ``result`` is the engine's (completed or rejected); ``failure`` a reason for a request
+    that never reached the engine. A completed request is COMPLETED with its generated
+    tokens, their log-probs and top-n log-probs (``{token text: log-prob}`` per token, as
+    Megatron's engine detokenizes them); anything else is FAILED with an
+    ERROR_NONTRANSIENT event carrying the reason, which Megatron's front end reports.
+    """
+    from megatron.core.inference.contexts.dynamic_context import ContextOverflowError
+    from megatron.core.inference.inference_request import (
+        DynamicInferenceRequest,
+        DynamicInferenceRequestRecord,
+        Status,
+    )
+    from megatron.core.inference.sampling_params import SamplingParams as MegatronSamplingParams
+
+    from tknp_megatron.models.cpu_shims import allow_nvtx_without_cuda
+
+    allow_nvtx_without_cuda()
+    request = DynamicInferenceRequest(
+        request_id=request_id,
+        prompt_tokens=torch.tensor(list(prompt), dtype=torch.int64),
+        sampling_params=MegatronSamplingParams.deserialize(dict(megatron_params)),
+    )
+    request.add_event_add()
+    if result is not None and result.status is RequestStatus.COMPLETED:
+        request.status = Status.COMPLETED
+        request.generated_tokens = list(result.tokens)
+        request.generated_length = len(result.tokens)
+        if result.log_probs is not None:
+            request.generated_log_probs = list(result.log_probs)
+        if result.top_log_probs is not None:
+            request.generated_top_n_logprobs = [
+                {tokenizer.detokenize([tid]): lp for tid, lp in top} for top in result.top_log_probs
+            ]
+        request.add_event_finish()
+    else:
+        reason = failure or (result.reject_reason if result is not None else None) or "request failed"
+        request.status = Status.FAILED
+        request.add_event_error_nontransient(
+            ContextOverflowError(request_id, message=reason, is_transient=False))
+        request.add_event_fail()
+    if REPLIES_ARE_RECORDS:
+        return DynamicInferenceRequestRecord.from_request(request).serialize()
+    return request.serialize()

@@ -1,0 +1,147 @@
+"""A long-running TKNP pool behind Megatron-Core's coordinator (the pool's coordinator rank).
+
+:meth:`PoolServer.run` is the engine loop Megatron's ``DynamicInferenceEngine`` runs under
+its coordinator, for a pool: take what the coordinator sent (requests, control headers),
+step the pool while it has work, reply with every request that ended. The other ranks of
+the pool follow from :meth:`~tknp_megatron.engine.base.InferenceEngine.serve` as in any run.
+
+- Requests arrive while others decode: each loop turn drains the link without waiting
+  when the pool is busy.
+- An idle pool waits on the link for at most ``idle_tick_s`` and then broadcasts an idle
+  plan, so no rank's wait for the next step ever reaches the collective timeout.
+- Every request ends with a reply: COMPLETED, or FAILED with the reason (refused at once,
+  rejected by the engine, or ended by a stop or a pool failure).
+- PAUSE stops stepping (requests are kept, new ones queue) until UNPAUSE; STOP, or
+  ``should_stop()`` (a signal), ends the remaining requests and stops the pool's ranks.
+  SUSPEND / RESUME (Megatron's GPU-memory offload) change nothing here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Tuple
+
+from tknp_megatron.engine.base import InferenceEngine
+from tknp_megatron.engine.request import RequestStatus
+from tknp_megatron.serving.coordinator_link import CoordinatorLink, Message
+from tknp_megatron.serving.megatron_types import RequestRefused, reply_item, to_engine_request
+
+__all__ = ["PoolServer", "ServeSummary"]
+
+
+@dataclass(frozen=True)
+class ServeSummary:
+    """What one pool did while it served."""
+
+    pool: int
+    completed: int
+    failed: int
+    steps: int
+    stopped_by: str
+
+
+class PoolServer:
+    """The engine loop of one pool's coordinator rank.
+
+    Args:
+        engine: the pool's engine (this rank is its coordinator).
+        link: connection to Megatron's coordinator.
+        tokenizer: Megatron's tokenizer interface (text prompts, stop words, top-n text).
+        max_sequence_length: the model's limit (Megatron's default output length).
+        idle_tick_s: longest wait without a collective when idle.
+        should_stop: polled every loop turn; True stops the pool (e.g. after SIGTERM).
+    """
+
+    def __init__(self, engine: InferenceEngine, link: CoordinatorLink, tokenizer,
+                 max_sequence_length: int, idle_tick_s: float = 1.0,
+                 should_stop: Callable[[], bool] = lambda: False):
+        self.engine, self.link, self.tokenizer = engine, link, tokenizer
+        self.max_sequence_length, self.idle_tick_s, self.should_stop = (
+            max_sequence_length, idle_tick_s, should_stop)
+        self.paused = False
+        self._stop_by = ""
+        self._open: Dict[int, Tuple[tuple, dict]] = {}  # id -> (prompt, Megatron params)
+        self._completed = self._failed = self._steps = 0
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> ServeSummary:
+        """Serve until STOP or ``should_stop()``; re-raises a pool failure after replying
+        FAILED to every open request."""
+        engine, last_collective = self.engine, time.monotonic()
+        try:
+            while True:
+                busy = not self.paused and engine.has_unfinished_requests()
+                for message in self.link.receive(0 if busy else int(self.idle_tick_s * 1000)):
+                    self._handle(message)
+                if not self._stop_by and self.should_stop():
+                    self._stop_by = "signal"
+                if self._stop_by:
+                    break
+                if not self.paused and engine.has_unfinished_requests():
+                    self._reply(engine.step())
+                    self._steps += 1
+                    last_collective = time.monotonic()
+                elif time.monotonic() - last_collective >= self.idle_tick_s:
+                    engine.idle()
+                    last_collective = time.monotonic()
+        except Exception as err:
+            self._end_open(f"pool {self.link.dp_rank} failed: {type(err).__name__}: {err}")
+            raise
+        self._end_open(f"the server stopped ({self._stop_by}) before the request finished")
+        engine.shutdown()
+        return ServeSummary(self.link.dp_rank, self._completed, self._failed, self._steps, self._stop_by)
+
+    # ------------------------------------------------------------------ messages
+    def _handle(self, message: Message) -> None:
+        name = message.header
+        if name == "SUBMIT_REQUEST":
+            self._submit(*message.fields)
+        elif name == "PAUSE":
+            self.paused = True
+            if self.link.has_header("PAUSE_ACK"):  # megatron-core 0.16 waits for it
+                self.link.send("PAUSE_ACK")
+        elif name == "UNPAUSE":
+            self.paused = False
+        elif name == "STOP":
+            if self.link.has_header("STOP_ACK"):
+                self.link.send("STOP_ACK")
+            self._stop_by = "STOP"
+        # PAUSE_ACK / STOP_ACK (0.16 relays them back), SUSPEND / RESUME, generation
+        # epochs and profiler marks need nothing from a pool.
+
+    def _submit(self, request_id: int, prompt, params: dict) -> None:
+        try:
+            req = to_engine_request(prompt, params, self.tokenizer, self.max_sequence_length)
+        except RequestRefused as err:
+            ids = prompt if isinstance(prompt, list) else []
+            self._send([reply_item(request_id, ids, params, self.tokenizer,
+                                   failure=f"request {request_id}: {err}")])
+            return
+        self.engine.add_request(req.prompt, req.params, request_id=request_id)
+        self._open[request_id] = (req.prompt, params)
+        if self.engine.requests[request_id].status is RequestStatus.REJECTED:
+            self._reply([request_id])
+
+    def _reply(self, request_ids: List[int]) -> None:
+        """Reply with ended requests and forget them (a server runs indefinitely)."""
+        items = []
+        for rid in request_ids:
+            prompt, params = self._open.pop(rid)
+            items.append(reply_item(rid, prompt, params, self.tokenizer, self.engine.result(rid)))
+            self.engine.forget(rid)
+        self._send(items)
+
+    def _send(self, items: list) -> None:
+        for item in items:
+            status = item["requests"][0]["status"] if "requests" in item else item["status"]
+            if status == "COMPLETED":
+                self._completed += 1
+            else:
+                self._failed += 1
+        self.link.reply(items)
+
+    def _end_open(self, reason: str) -> None:
+        """Every open request ends FAILED with ``reason`` (no collective is run)."""
+        ended = self.engine.abort_all(reason)
+        self._reply([rid for rid in ended if rid in self._open])
