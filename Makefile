@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: run test venv clean
+.PHONY: run serve test venv clean
 
 $(VENV)/.installed: setup.py tools/bootstrap_env.sh
 	bash tools/bootstrap_env.sh $(VENV)
@@ -18,6 +18,9 @@ venv: $(VENV)/.installed
 
 run: venv
 	$(PY) examples/run_tknp_decode.py $(ARGS)
+
+serve: venv
+	$(PY) examples/serve_tknp.py $(ARGS)
 
 test: venv
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests

@@ -220,15 +220,16 @@ def save_gpt_checkpoint(preset, tp: int, ckpt_dir: str, seed: Optional[int],
 
 
 # ---------------------------------------------------------------- the main job
-def load_job_module():
-    """examples/run_tknp_decode.py as a module (its helper modules sit beside it)."""
+def load_job_module(name: str = "run_tknp_decode"):
+    """examples/NAME.py (the main job by default) as a module (its helper modules sit
+    beside it)."""
     import importlib.util
     import sys
 
-    job = Path(__file__).resolve().parents[1] / "examples" / "run_tknp_decode.py"
+    job = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
     if str(job.parent) not in sys.path:
         sys.path.insert(0, str(job.parent))
-    spec = importlib.util.spec_from_file_location("run_tknp_decode", job)
+    spec = importlib.util.spec_from_file_location(name, job)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)

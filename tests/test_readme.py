@@ -19,9 +19,21 @@ ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
 
-def fenced_blocks():
-    """The README's fenced code blocks, each a list of lines."""
-    return [block.splitlines() for block in re.findall(r"```\n(.*?)```", README, flags=re.S)]
+def fenced_blocks(lang: str = ""):
+    """The README's fenced code blocks of language ``lang`` (none by default), each a list
+    of lines."""
+    blocks, current, current_lang = [], None, None
+    for line in README.splitlines():
+        if line.startswith("```"):
+            if current is None:
+                current, current_lang = [], line[3:].strip()
+            else:
+                if current_lang == lang:
+                    blocks.append(current)
+                current = None
+        elif current is not None:
+            current.append(line)
+    return blocks
 
 
 def commands():
@@ -46,6 +58,12 @@ def commands():
     return out
 
 
+LAUNCHERS = {  # the example scripts the README runs, and how to load each one's parser
+    "examples/run_tknp_decode.py": load_job_module,
+    "examples/serve_tknp.py": lambda: load_job_module("serve_tknp"),
+}
+
+
 def _argv(cmd: str):
     """``(entry, argv)``: the module or script a command runs and its arguments."""
     words = shlex.split(cmd)
@@ -60,12 +78,12 @@ def _argv(cmd: str):
 
 def test_every_command_is_covered():
     cmds = [c for c, _ in commands()]
-    assert "make run" in cmds and "make test" in cmds
+    assert "make run" in cmds and "make test" in cmds and "make serve" in cmds
     for cmd in cmds:
         if cmd.startswith("make "):
             continue
         entry, _ = _argv(cmd)
-        assert entry.startswith("tknp_megatron.tools.") or entry == "examples/run_tknp_decode.py", cmd
+        assert entry.startswith("tknp_megatron.tools.") or entry in LAUNCHERS, cmd
 
 
 @pytest.mark.parametrize("cmd", [c for c, _ in commands() if c.startswith(("torchrun", "python"))])
@@ -73,7 +91,7 @@ def test_flags_parse(cmd):
     """Each command's flags are accepted by its tool (GPU forms are run by the GPU scripts)."""
     entry, argv = _argv(cmd)
     if entry.endswith(".py"):
-        load_job_module().parse_args(argv)
+        LAUNCHERS[entry]().parse_args(argv)
     else:
         module = importlib.import_module(entry)
         module.parse_args(argv)

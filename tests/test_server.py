@@ -11,6 +11,8 @@ broken on purpose (a rank killed mid-decode).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import json
 import os
 import signal
@@ -39,15 +41,14 @@ START_TIMEOUT_S = 180
 class Server:
     """``serve_tknp.py`` in a subprocess: its ready line, its stdout, its process tree."""
 
-    def __init__(self, *flags: str):
+    def __init__(self, *flags: str, make: bool = False):
         from tknp_megatron.serving.frontend import free_tcp_port
 
         self.port = free_tcp_port()
         self.stderr = open(os.devnull, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(SERVE), "--port", str(self.port), *flags],
-            stdout=subprocess.PIPE, stderr=self.stderr, text=True, cwd=ROOT,
-        )
+        flags = ("--port", str(self.port), *flags)
+        argv = ["make", "serve", "ARGS=" + " ".join(flags)] if make else [sys.executable, str(SERVE), *flags]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self.stderr, text=True, cwd=ROOT)
         self.lines: list = []
         self._ready = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
@@ -150,7 +151,10 @@ def served(server):
     return dict(prompts=prompts, choices=choices, tokens=tokens, offline=offline, ref=ref)
 
 
-def test_64_concurrent_requests_over_a_quarter_budget_equal_the_offline_run(served):
+def test_64_concurrent_requests_over_a_quarter_budget_equal_the_offline_run(server, served):
+    blocks_per_request = 2  # prompts of 9-16 tokens + 8 new ones, 16-token blocks
+    held = sum(server.info["kv_tokens_per_node"]) * server.info["pools"] // (16 * blocks_per_request)
+    assert held == 64 // 4
     assert all(served["tokens"]), "every request generated tokens"
     assert [tuple(t) for t in served["tokens"]] == [tuple(t) for t in served["offline"]]
 
@@ -233,6 +237,22 @@ def test_bad_input_is_answered_with_the_problem_and_the_server_keeps_serving(ser
     assert _ids(good.json()["choices"][0]["text"]) == list(served["offline"][0])
 
 
+def test_the_readme_curl_and_openai_examples(server):
+    from tests.test_readme import fenced_blocks
+
+    here = server.url.split("//")[1]
+    (curl,) = ["\n".join(b) for b in fenced_blocks("bash") if b[0].startswith("curl ")]
+    proc = subprocess.run(curl.replace("127.0.0.1:5000", here), shell=True, capture_output=True,
+                          text=True, timeout=120)
+    reply = json.loads(proc.stdout)["choices"][0]
+    (snippet,) = ["\n".join(b) for b in fenced_blocks("python") if "OpenAI(" in "\n".join(b)]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(snippet.replace("127.0.0.1:5000", here), {})
+    assert _ids(out.getvalue()) == _ids(reply["text"]) and len(_ids(reply["text"])) >= 1
+    assert len(reply["logprobs"]["token_logprobs"]) == len(_ids(reply["text"])) + 1
+
+
 def test_orderly_stop_both_pools_served_and_nothing_is_left(server, served):
     start = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
@@ -248,7 +268,7 @@ def test_orderly_stop_both_pools_served_and_nothing_is_left(server, served):
 
 
 def test_a_rank_killed_mid_decode_fails_open_requests_and_every_process_exits():
-    s = Server("--nodes", "2", "--tp", "1")
+    s = Server("--nodes", "2", "--tp", "1", make=True)  # as the README's `make serve`
     try:
         def ask(i):
             body = dict(prompt=[1, 2, 3, i], max_tokens=900, temperature=0)
