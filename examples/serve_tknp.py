@@ -25,6 +25,7 @@ requests still open end with an error naming the stop, and every process exits.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -69,6 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     src.add_argument("--hf", default=None, metavar="DIR",
                      help="Hugging Face Llama / Mistral / Qwen2 / Nemotron folder")
     p.add_argument("--model-config", default=None, metavar="FILE", help="model JSON")
+    p.add_argument("--layers", type=int, default=None,
+                   help="with --model: stack this many of the preset's layers (benchmarks)")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="HF tokenizer folder (default: Megatron's null tokenizer, ids as text)")
     p.add_argument("--seed", type=int, default=0, help="seed of the preset's weights")
@@ -97,6 +100,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--model is a preset with seeded weights: not with --load / --hf / --model-config")
     if args.hf and args.model_config:
         p.error("--hf takes the architecture from the folder's config.json")
+    if args.layers is not None and (args.load or args.hf or args.model_config):
+        p.error("--layers cuts a preset (--model): not with --load / --hf / --model-config")
     return args
 
 
@@ -112,6 +117,10 @@ class ServeJob:
 def prepare(args) -> ServeJob:
     """Resolve and check every input (no process started)."""
     source = resolve_source(args.model, args.load, args.hf, args.model_config, args.seed)
+    if args.layers is not None:
+        if args.layers < 1:
+            raise JobError(f"--layers {args.layers}: must be at least 1")
+        source = dataclasses.replace(source, preset=source.preset.replace(num_layers=args.layers))
     preset = source.preset
     problems = [f"--{p}" for p in pool_problems(preset, args.nodes, args.tp)]
     for flag, value in (("--pools", args.pools), ("--block-size", args.block_size),

@@ -132,17 +132,15 @@ class Frontend:
     def stop(self) -> None:
         """Stop the HTTP server, then the coordinator (it holds no state of its own)."""
         if self._http is not None:
-            self._http.terminate()
+            self._http.kill()  # as below: Megatron's modules make SIGTERM dump tracebacks
             self._http.join(10)
-            if self._http.is_alive():
-                self._http.kill()
         elif self.url is not None:
             from megatron.core.inference.text_generation_server.dynamic_text_gen_server import (
                 text_generation_server as server,
             )
 
             server.stop_text_gen_server()
-        self._coordinator.kill()  # SIGTERM would only make its faulthandler dump a traceback
+        self._coordinator.kill()  # Megatron's faulthandler would dump a traceback on SIGTERM
         self._coordinator.join(10)
 
 

@@ -151,6 +151,23 @@ def to_engine_request(
     return EngineRequest(tuple(ids), engine_params)
 
 
+def _stop_trim(result: GenerationResult, megatron_params: Dict[str, Any], tokenizer) -> int:
+    """How many trailing tokens Megatron's engine drops from a request that ended on a stop
+    word: none in 0.16 (the stop word is kept), the stop word in 0.17 and later unless
+    ``detokenize_stop_sequence`` asks to keep it."""
+    from megatron.core.inference.sampling_params import SamplingParams as MegatronSamplingParams
+
+    if result.finish_reason != "stop" or megatron_params.get("detokenize_stop_sequence", False):
+        return 0
+    if "detokenize_stop_sequence" not in MegatronSamplingParams.__dataclass_fields__:
+        return 0
+    for word in megatron_params.get("stop_words") or ():
+        ids = tuple(tokenize_prompt(tokenizer, word, False))
+        if ids and tuple(result.tokens[-len(ids):]) == ids:
+            return len(ids)
+    return 0
+
+
 def reply_item(
     request_id: int,
     prompt: Sequence[int],
@@ -164,8 +181,9 @@ def reply_item(
     ``result`` is the engine's (completed or rejected); ``failure`` a reason for a request
     that never reached the engine. A completed request is COMPLETED with its generated
     tokens, their log-probs and top-n log-probs (``{token text: log-prob}`` per token, as
-    Megatron's engine detokenizes them); anything else is FAILED with an
-    ERROR_NONTRANSIENT event carrying the reason, which Megatron's front end reports.
+    Megatron's engine detokenizes them), a stop word kept or trimmed as the installed
+    version's engine does; anything else is FAILED with an ERROR_NONTRANSIENT event
+    carrying the reason, which Megatron's front end reports.
     """
     from megatron.core.inference.contexts.dynamic_context import ContextOverflowError
     from megatron.core.inference.inference_request import (
@@ -185,14 +203,15 @@ def reply_item(
     )
     request.add_event_add()
     if result is not None and result.status is RequestStatus.COMPLETED:
+        keep = len(result.tokens) - _stop_trim(result, megatron_params, tokenizer)
         request.status = Status.COMPLETED
-        request.generated_tokens = list(result.tokens)
-        request.generated_length = len(result.tokens)
+        request.generated_tokens = list(result.tokens[:keep])
+        request.generated_length = keep
         if result.log_probs is not None:
-            request.generated_log_probs = list(result.log_probs)
+            request.generated_log_probs = list(result.log_probs[:keep])
         if result.top_log_probs is not None:
             request.generated_top_n_logprobs = [
-                {tokenizer.detokenize([tid]): lp for tid, lp in top} for top in result.top_log_probs
+                {tokenizer.detokenize([tid]): lp for tid, lp in top} for top in result.top_log_probs[:keep]
             ]
         request.add_event_finish()
     else:

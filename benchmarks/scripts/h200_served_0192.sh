@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Megatron's server in front of a TKNP pool with megatron-core 0.19.2 (Python 3.12, the GPU
+# machine): (1) the CPU server tests (tests/test_server.py, gloo) against 0.19.2's
+# coordinator and Quart front end; (2) served vs offline completion throughput on one fixed
+# trace on the GPU(s) (tknp_megatron.tools.bench_served).
+# Set up by the caller: megatron-core 0.19.2 and the server wheels on PYTHONPATH.
+# Usage: OUT=dir NPROC=1|2 bash benchmarks/scripts/h200_served_0192.sh
+set -u
+OUT=${OUT:-out}; NPROC=${NPROC:-1}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python -c "import megatron.core, torch; print('megatron-core', megatron.core.__version__, 'torch', torch.__version__)"
+timeout 300 python -m pytest -q -x -p no:cacheprovider tests/test_server.py 2>&1 | tail -15 | tee "$OUT/server_tests_0192.txt"
+timeout 420 python -m tknp_megatron.tools.bench_served --device cuda --nproc "$NPROC" --nodes "$NPROC" --tp 1 \
+  --model llama3.1-70b --layers 8 --requests 128 --prompt-len 512 --output-len 256 --cuda-graphs \
+  --out "$OUT/served_vs_offline.json" 2>&1 | grep -v "Warning\|warn\|hypercorn\|INFO" | tail -12

@@ -1,0 +1,218 @@
+"""Served vs offline: one fixed trace through Megatron's server in front of a TKNP pool, and
+through the same engine's offline ``generate``; completion throughput side by side.
+
+Both runs build the same pool (``--nodes`` x ``--tp``, the same engine knobs and seeded
+weights) and serve the same greedy requests (``--requests`` prompts of ``--prompt-len``
+random ids, ``--output-len`` new tokens each, all arriving at once). Each run serves the
+trace twice and times the second pass (the first captures CUDA graphs and warms up).
+Throughput = generated tokens / (last completion - first submission). The served pass
+sends every request at once over HTTP (``POST /v1/completions``, token-id prompts) to
+``examples/serve_tknp.py``; its tokens must equal the offline run's.
+
+GPU (one process per GPU; the tool starts torchrun itself)::
+
+    python -m tknp_megatron.tools.bench_served --device cuda --nproc 2 --nodes 2 --tp 1 \\
+        --model llama3.1-70b --layers 8 --requests 128 --prompt-len 512 --output-len 128 --cuda-graphs
+
+CPU smoke run (gloo)::
+
+    python -m tknp_megatron.tools.bench_served --nproc 2 --nodes 2 --tp 1 --requests 8 --output-len 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import List
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVE = ROOT / "examples" / "serve_tknp.py"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--nproc", type=int, default=2, help="processes (GPUs): nodes x tp")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--kv-tokens-per-node", type=int, default=None)
+    p.add_argument("--cuda-graphs", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write the results here (JSON)")
+    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--role", choices=("both", "offline"), default="both", help=argparse.SUPPRESS)
+    p.add_argument("--prompts-file", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def _preset(args):
+    from tknp_megatron.config import get_preset
+
+    preset = get_preset(args.model)
+    return preset.replace(num_layers=args.layers) if args.layers else preset
+
+
+def make_trace(args) -> List[List[int]]:
+    vocab = _preset(args).vocab_size
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    return torch.randint(0, vocab - 1, (args.requests, args.prompt_len), generator=gen).tolist()
+
+
+def _engine_flags(args) -> list:
+    flags = ["--nodes", str(args.nodes), "--tp", str(args.tp), "--model", args.model,
+             "--device", args.device, "--seed", str(args.seed)]
+    if args.layers:
+        flags += ["--layers", str(args.layers)]
+    if args.kv_tokens_per_node:
+        flags += ["--kv-tokens-per-node", str(args.kv_tokens_per_node)]
+    if args.cuda_graphs:
+        flags += ["--cuda-graphs"]
+    return flags
+
+
+# ----------------------------------------------------------------------------- offline
+def offline_worker(rank: int, world: int, job) -> dict:
+    """The engine as the server builds it; ``generate`` twice, the second pass timed."""
+    import parallel_state as ps
+    from tknp_megatron.engine.config import EngineConfig
+    from tknp_megatron.engine.factory import Mode, build_engine
+    from tknp_megatron.sampling import SamplingParams
+
+    warnings.simplefilter("ignore")
+    args, prompts = job
+    preset = _preset(args)
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    kv = args.kv_tokens_per_node or (4 * preset.gpt.max_sequence_length if args.device == "cpu" else None)
+    groups = ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, token_parallel_size=args.nodes)
+    config = EngineConfig(kv_tokens_per_node=kv, cuda_graphs=args.cuda_graphs)
+    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    engine = build_engine(Mode.TKNP, preset, groups, config, device, dtype, weights=args.seed)
+    params = SamplingParams(max_new_tokens=args.output_len, eos_id=preset.vocab_size - 1)  # the null tokenizer's eod
+    out = {}
+    for attempt in ("warm-up", "timed"):
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        results = engine.generate(prompts, params)
+        out = dict(wall_s=time.perf_counter() - start, tokens=[list(r.tokens) for r in results])
+    ps.destroy_model_parallel()
+    return out if rank == 0 else None
+
+
+def run_offline(args, prompts) -> dict:
+    from tknp_megatron.launch import spawn
+
+    if args.device == "cpu":
+        return spawn(offline_worker, args.nproc, ((args, prompts),), timeout_s=args.timeout)[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        prompts_file, out = Path(tmp) / "prompts.json", Path(tmp) / "offline.json"
+        prompts_file.write_text(json.dumps(prompts))
+        argv = sys.argv[1:] if "--role" not in sys.argv else []
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
+               "-m", "tknp_megatron.tools.bench_served", *argv, "--role", "offline",
+               "--prompts-file", str(prompts_file), "--out", str(out)]
+        subprocess.run(cmd, check=True, timeout=args.timeout, cwd=ROOT)
+        return json.loads(out.read_text())
+
+
+# ----------------------------------------------------------------------------- served
+def run_served(args, prompts) -> dict:
+    """Start the server, send the trace twice (the second pass timed), stop it."""
+    import requests
+
+    from tknp_megatron.serving.frontend import free_tcp_port
+
+    port = free_tcp_port()
+    launcher = [sys.executable, str(SERVE)]
+    if args.device == "cuda":
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), str(SERVE)]
+    proc = subprocess.Popen([*launcher, *_engine_flags(args), "--port", str(port)],
+                            stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    ready = threading.Event()
+    lines: list = []
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line.rstrip())
+            print(line.rstrip(), flush=True)
+            if " ready " in line:
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        if not ready.wait(args.timeout):
+            raise RuntimeError(f"server not ready within {args.timeout:.0f} s")
+        url = json.loads(next(x for x in lines if " ready " in x).split(" ready ", 1)[1])["url"]
+
+        def ask(prompt):
+            body = dict(prompt=prompt, max_tokens=args.output_len, temperature=0)
+            r = requests.post(url + "/v1/completions", json=body, timeout=args.timeout)
+            r.raise_for_status()
+            choice = r.json()["choices"][0]  # 0.17+ returns the ids; 0.16 only the text (= the ids)
+            ids = choice.get("generation_token_ids")
+            return list(ids) if ids is not None else [int(t) for t in choice["text"].split()]
+
+        out = {}
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            for _ in ("warm-up", "timed"):
+                start = time.perf_counter()
+                tokens = list(pool.map(ask, prompts))
+                out = dict(wall_s=time.perf_counter() - start, tokens=tokens)
+        return out
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    warnings.simplefilter("ignore")
+    if args.role == "offline":  # this process is one rank under torchrun
+        from tknp_megatron.launch import run_ranks
+
+        prompts = json.loads(Path(args.prompts_file).read_text())
+        rank, result = run_ranks(offline_worker, (args, prompts), args.device, args.nproc, args.timeout)
+        if rank == 0:
+            Path(args.out).write_text(json.dumps(result))
+        os._exit(0)  # past NCCL teardown (see benchmarks/RESULTS.md)
+    prompts = make_trace(args)
+    offline = run_offline(args, prompts)
+    served = run_served(args, prompts)
+    rows = {}
+    for name, run in (("offline", offline), ("served", served)):
+        tokens = sum(len(t) for t in run["tokens"])
+        rows[name] = dict(wall_s=run["wall_s"], tokens=tokens, tok_per_s=tokens / run["wall_s"])
+    agree = offline["tokens"] == served["tokens"]
+    ratio = rows["served"]["tok_per_s"] / rows["offline"]["tok_per_s"]
+    print(f"{'path':8} {'wall_s':>8} {'tokens':>8} {'tok/s':>10}")
+    for name, r in rows.items():
+        print(f"{name:8} {r['wall_s']:8.3f} {r['tokens']:8d} {r['tok_per_s']:10.1f}")
+    print(f"served / offline: {ratio:.3f}; tokens {'agree' if agree else 'DIFFER'}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(args=vars(args), rows=rows, ratio=ratio,
+                                                  tokens_agree=agree), indent=1))
+    return 0 if agree else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
