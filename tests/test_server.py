@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -46,7 +47,7 @@ class Server:
         from tknp_megatron.serving.frontend import free_tcp_port
 
         self.port = free_tcp_port()
-        self.stderr = open(os.devnull, "w")
+        self.stderr = tempfile.NamedTemporaryFile("w+", prefix="serve_tknp-", suffix=".log")
         flags = ("--port", str(self.port), *flags)
         argv = ["make", "serve", "ARGS=" + " ".join(flags)] if make else [sys.executable, str(SERVE), *flags]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self.stderr, text=True, cwd=ROOT)
@@ -55,7 +56,7 @@ class Server:
         threading.Thread(target=self._read, daemon=True).start()
         if not self._ready.wait(START_TIMEOUT_S):
             self.kill()
-            raise AssertionError(f"server not ready within {START_TIMEOUT_S} s: {self.lines}")
+            raise AssertionError(f"server not ready within {START_TIMEOUT_S} s: {self.lines}\n{self.log()}")
         line = next(x for x in self.lines if " ready " in x)
         self.info = json.loads(line.split(" ready ", 1)[1])
         self.url = self.info["url"]
@@ -66,6 +67,11 @@ class Server:
             self.lines.append(line.rstrip("\n"))
             if " ready " in line:
                 self._ready.set()
+
+    def log(self, chars: int = 4000) -> str:
+        """The tail of the server's stderr."""
+        self.stderr.flush()
+        return Path(self.stderr.name).read_text(errors="replace")[-chars:]
 
     def alive(self) -> list:
         return [p for p in self.tree if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]

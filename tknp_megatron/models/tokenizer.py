@@ -155,4 +155,19 @@ def server_tokenizer(folder: Optional[PathLike], vocab_size: int):
         return Tokenizer(folder)
     from megatron.core.tokenizers import MegatronTokenizer
 
-    return MegatronTokenizer.from_pretrained(metadata_path={"library": "null"}, vocab_size=vocab_size - 1)
+    # megatron-core 0.17+ names it "null-text" and counts the eod in vocab_size; 0.16
+    # names it "null" and adds the eod after vocab_size ids
+    for library, size in (("null-text", vocab_size), ("null", vocab_size - 1)):
+        try:
+            tokenizer = MegatronTokenizer.from_pretrained(metadata_path={"library": library}, vocab_size=size)
+        except (AssertionError, KeyError, ValueError, AttributeError):
+            continue
+        if tokenizer.eod == vocab_size - 1:
+            return tokenizer
+    raise RuntimeError(f"megatron-core {_megatron_version()}: no null tokenizer over {vocab_size} ids")
+
+
+def _megatron_version() -> str:
+    import megatron.core
+
+    return megatron.core.__version__

@@ -11,12 +11,12 @@ sends every request at once over HTTP (``POST /v1/completions``, token-id prompt
 
 GPU (one process per GPU; the tool starts torchrun itself)::
 
-    python -m tknp_megatron.tools.bench_served --device cuda --nproc 2 --nodes 2 --tp 1 \\
+    python -m tknp_megatron.tools.bench_served --device cuda --gpus 2 --nodes 2 --tp 1 \\
         --model llama3.1-70b --layers 8 --requests 128 --prompt-len 512 --output-len 128 --cuda-graphs
 
 CPU smoke run (gloo)::
 
-    python -m tknp_megatron.tools.bench_served --nproc 2 --nodes 2 --tp 1 --requests 8 --output-len 4
+    python -m tknp_megatron.tools.bench_served --gpus 2 --nodes 2 --tp 1 --requests 8 --output-len 4
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ SERVE = ROOT / "examples" / "serve_tknp.py"
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--nproc", type=int, default=2, help="processes (GPUs): nodes x tp")
+    # (flag names must not prefix torchrun's own: it reads them after the script too)
+    p.add_argument("--gpus", type=int, default=2, help="processes (GPUs): nodes x tp")
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--model", default="tiny")
@@ -57,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the results here (JSON)")
     p.add_argument("--timeout", type=float, default=900.0)
-    p.add_argument("--role", choices=("both", "offline"), default="both", help=argparse.SUPPRESS)
+    p.add_argument("--stage", choices=("both", "offline"), default="both", help=argparse.SUPPRESS)
     p.add_argument("--prompts-file", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -120,13 +121,13 @@ def run_offline(args, prompts) -> dict:
     from tknp_megatron.launch import spawn
 
     if args.device == "cpu":
-        return spawn(offline_worker, args.nproc, ((args, prompts),), timeout_s=args.timeout)[0]
+        return spawn(offline_worker, args.gpus, ((args, prompts),), timeout_s=args.timeout)[0]
     with tempfile.TemporaryDirectory() as tmp:
         prompts_file, out = Path(tmp) / "prompts.json", Path(tmp) / "offline.json"
         prompts_file.write_text(json.dumps(prompts))
-        argv = sys.argv[1:] if "--role" not in sys.argv else []
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
-               "-m", "tknp_megatron.tools.bench_served", *argv, "--role", "offline",
+        argv = sys.argv[1:]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.gpus),
+               "-m", "tknp_megatron.tools.bench_served", *argv, "--stage", "offline",
                "--prompts-file", str(prompts_file), "--out", str(out)]
         subprocess.run(cmd, check=True, timeout=args.timeout, cwd=ROOT)
         return json.loads(out.read_text())
@@ -142,7 +143,7 @@ def run_served(args, prompts) -> dict:
     port = free_tcp_port()
     launcher = [sys.executable, str(SERVE)]
     if args.device == "cuda":
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), str(SERVE)]
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.gpus), str(SERVE)]
     proc = subprocess.Popen([*launcher, *_engine_flags(args), "--port", str(port)],
                             stdout=subprocess.PIPE, text=True, cwd=ROOT)
     ready = threading.Event()
@@ -187,11 +188,11 @@ def run_served(args, prompts) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     warnings.simplefilter("ignore")
-    if args.role == "offline":  # this process is one rank under torchrun
+    if args.stage == "offline":  # this process is one rank under torchrun
         from tknp_megatron.launch import run_ranks
 
         prompts = json.loads(Path(args.prompts_file).read_text())
-        rank, result = run_ranks(offline_worker, (args, prompts), args.device, args.nproc, args.timeout)
+        rank, result = run_ranks(offline_worker, (args, prompts), args.device, args.gpus, args.timeout)
         if rank == 0:
             Path(args.out).write_text(json.dumps(result))
         os._exit(0)  # past NCCL teardown (see benchmarks/RESULTS.md)
