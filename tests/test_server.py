@@ -52,20 +52,24 @@ class Server:
         argv = ["make", "serve", "ARGS=" + " ".join(flags)] if make else [sys.executable, str(SERVE), *flags]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self.stderr, text=True, cwd=ROOT)
         self.lines: list = []
+        self.tree = [self.proc.pid]
         self._ready = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
-        if not self._ready.wait(START_TIMEOUT_S):
-            self.kill()
-            raise AssertionError(f"server not ready within {START_TIMEOUT_S} s: {self.lines}\n{self.log()}")
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self._ready.wait(0.5):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise AssertionError(f"server not ready (exit code {self.proc.returncode}): "
+                                     f"{self.lines}\n{self.log()}")
         line = next(x for x in self.lines if " ready " in x)
         self.info = json.loads(line.split(" ready ", 1)[1])
         self.url = self.info["url"]
-        self.tree = [self.proc.pid] + [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
 
     def _read(self):
         for line in self.proc.stdout:
             self.lines.append(line.rstrip("\n"))
             if " ready " in line:
+                self.tree += [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
                 self._ready.set()
 
     def log(self, chars: int = 4000) -> str:
@@ -77,8 +81,11 @@ class Server:
         return [p for p in self.tree if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
 
     def kill(self):
+        with contextlib.suppress(psutil.Error):
+            self.tree += [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
         for p in self.alive():
-            os.kill(p, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
         self.proc.wait(10)
         self.stderr.close()
 

@@ -9,9 +9,9 @@ set -u
 OUT=${OUT:-out}; NPROC=${NPROC:-1}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 python -c "import megatron.core, torch; print('megatron-core', megatron.core.__version__, 'torch', torch.__version__)"
-timeout 300 python -m pytest -q -x -p no:cacheprovider tests/test_server.py > "$OUT/server_tests_0192.txt" 2>&1
-grep -v -i "warn" "$OUT/server_tests_0192.txt" | tail -25
-timeout 420 python -m tknp_megatron.tools.bench_served --device cuda --gpus "$NPROC" --nodes "$NPROC" --tp 1 \
-  --model llama3.1-70b --layers 8 --requests 128 --prompt-len 512 --output-len 256 --cuda-graphs \
+timeout 200 python -m pytest -q -x -p no:cacheprovider tests/test_server.py > "$OUT/server_tests_0192.txt" 2>&1
+grep -a -v -i "warn" "$OUT/server_tests_0192.txt" | grep -a "passed\|failed\|Error\|error\|not ready\|Traceback" | tail -30
+timeout 330 python -m tknp_megatron.tools.bench_served --device cuda --gpus "$NPROC" --nodes "$NPROC" --tp 1 \
+  --model llama3.1-70b --layers 8 --requests 128 --prompt-len 32 --output-len 128 --cuda-graphs \
   --out "$OUT/served_vs_offline.json" > "$OUT/served_vs_offline.log" 2>&1
 grep -v -i "warn\|hypercorn\|INFO" "$OUT/served_vs_offline.log" | tail -15

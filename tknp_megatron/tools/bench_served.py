@@ -12,7 +12,7 @@ sends every request at once over HTTP (``POST /v1/completions``, token-id prompt
 GPU (one process per GPU; the tool starts torchrun itself)::
 
     python -m tknp_megatron.tools.bench_served --device cuda --gpus 2 --nodes 2 --tp 1 \\
-        --model llama3.1-70b --layers 8 --requests 128 --prompt-len 512 --output-len 128 --cuda-graphs
+        --model llama3.1-70b --layers 8 --requests 128 --prompt-len 32 --output-len 128 --cuda-graphs
 
 CPU smoke run (gloo)::
 
@@ -197,8 +197,11 @@ def main(argv=None) -> int:
             Path(args.out).write_text(json.dumps(result))
         os._exit(0)  # past NCCL teardown (see benchmarks/RESULTS.md)
     prompts = make_trace(args)
+    start = time.perf_counter()
     offline = run_offline(args, prompts)
+    print(f"bench_served: offline done ({time.perf_counter() - start:.0f} s)", flush=True)
     served = run_served(args, prompts)
+    print(f"bench_served: served done ({time.perf_counter() - start:.0f} s)", flush=True)
     rows = {}
     for name, run in (("offline", offline), ("served", served)):
         tokens = sum(len(t) for t in run["tokens"])
