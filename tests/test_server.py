@@ -58,9 +58,10 @@ class Server:
         deadline = time.monotonic() + START_TIMEOUT_S
         while not self._ready.wait(0.5):
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                log = self.log()
                 self.kill()
                 raise AssertionError(f"server not ready (exit code {self.proc.returncode}): "
-                                     f"{self.lines}\n{self.log()}")
+                                     f"{self.lines}\n{log}")
         line = next(x for x in self.lines if " ready " in x)
         self.info = json.loads(line.split(" ready ", 1)[1])
         self.url = self.info["url"]

@@ -9,13 +9,13 @@ its server launchers do:
 
 - the coordinator: ``DataParallelInferenceCoordinator.entrypoint`` in a spawned process
   (arguments filtered to what the installed version takes);
-- megatron-core 0.17 and later: ``start_text_gen_server`` (Quart + hypercorn);
-- megatron-core 0.16: its Flask blueprints and ``InferenceClient`` served by hypercorn
-  in a spawned process, as its ``run_flask_server`` does, with one addition: 0.16's
-  completions endpoint answers a FAILED request with empty text and status 200, so the
-  client handed to the blueprints raises the request's failure reason instead, which the
-  endpoint returns as an error response (0.17 and later check the status themselves).
-  A body that is not JSON or has an empty prompt is answered 400 before the blueprints.
+- the HTTP server: Megatron's endpoint blueprints and its ``InferenceClient`` in one app,
+  built as Megatron's own launchers build it (Flask in megatron-core 0.16, Quart from
+  0.17), served by hypercorn in a spawned process. Two additions: a body that is not a
+  JSON object or has an empty prompt is answered 400 naming that, before the blueprints;
+  and because 0.16's completions endpoint answers a FAILED request with empty text and
+  status 200, its client raises the request's failure reason instead, which the endpoint
+  returns as an error response (0.17 and later check the status themselves).
 
 The spawned processes die with rank 0 (Linux ``PR_SET_PDEATHSIG``), so a killed pool
 leaves nothing behind.
@@ -100,19 +100,10 @@ class Frontend:
 
     def serve_http(self, port: int, timeout_s: float = 120.0) -> str:
         """Start Megatron's HTTP server on ``port``; returns its URL once ``/health`` answers."""
-        if REPLIES_ARE_RECORDS:
-            ctx = mp.get_context("spawn")
-            self._http = ctx.Process(target=_child, args=(_serve_flask, dict(
-                address=self.address, tokenizer=self.tokenizer, host=self.host, port=port)), daemon=True)
-            self._http.start()
-        else:
-            from megatron.core.inference.text_generation_server.dynamic_text_gen_server import (
-                text_generation_server as server,
-            )
-
-            server.start_text_gen_server(**_accepted(server.start_text_gen_server, dict(
-                coordinator_addr=self.address, tokenizer=self.tokenizer, rank=0, server_port=port,
-                num_replicas=1, hostname=self.host)))
+        ctx = mp.get_context("spawn")
+        self._http = ctx.Process(target=_child, args=(_serve_http, dict(
+            address=self.address, tokenizer=self.tokenizer, host=self.host, port=port)), daemon=True)
+        self._http.start()
         self.url = f"http://{self.host}:{port}"
         deadline = time.monotonic() + timeout_s
         while True:
@@ -122,7 +113,7 @@ class Frontend:
                         return self.url
             except OSError:
                 pass
-            if self._http is not None and not self._http.is_alive():
+            if not self._http.is_alive():
                 raise RuntimeError(f"Megatron's HTTP server exited with code {self._http.exitcode}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"Megatron's HTTP server did not answer {self.url}/health "
@@ -134,19 +125,13 @@ class Frontend:
         if self._http is not None:
             self._http.kill()  # as below: Megatron's modules make SIGTERM dump tracebacks
             self._http.join(10)
-        elif self.url is not None:
-            from megatron.core.inference.text_generation_server.dynamic_text_gen_server import (
-                text_generation_server as server,
-            )
-
-            server.stop_text_gen_server()
         self._coordinator.kill()  # Megatron's faulthandler would dump a traceback on SIGTERM
         self._coordinator.join(10)
 
 
-# ---------------------------------------------------------------- megatron-core 0.16
+# ---------------------------------------------------------------- the HTTP process
 class _FailedAsError:
-    """The client handed to 0.16's blueprints: a FAILED request raises its reason."""
+    """megatron-core 0.16's client for its blueprints: a FAILED request raises its reason."""
 
     def __init__(self, client):
         self._client = client
@@ -170,14 +155,11 @@ async def _raise_if_failed(future):
     return record
 
 
-def _check_body():
-    """400 for a body that is not a JSON object or has an empty prompt (0.16's endpoints
-    would answer "Missing 'prompt' field" or an HTML page)."""
-    from flask import request
-
-    if request.method != "POST":
+def _body_problem(method: str, body) -> Optional[tuple]:
+    """400 for a POST body that is not a JSON object or has an empty prompt (Megatron's
+    endpoints answer those with a generic page or "Missing 'prompt' field")."""
+    if method != "POST":
         return None
-    body = request.get_json(silent=True)
     if not isinstance(body, dict):
         return "request body is not a JSON object", 400
     prompt = body.get("prompt", body.get("messages"))
@@ -186,15 +168,17 @@ def _check_body():
     return None
 
 
-def _serve_flask(address: str, tokenizer, host: str, port: int) -> None:
-    asyncio.run(_flask_main(address, tokenizer, host, port))
+def _serve_http(address: str, tokenizer, host: str, port: int) -> None:
+    asyncio.run(_http_main(address, tokenizer, host, port))
 
 
-async def _flask_main(address: str, tokenizer, host: str, port: int) -> None:
+async def _http_main(address: str, tokenizer, host: str, port: int) -> None:
+    """Megatron's blueprints and ``InferenceClient`` in one app, as its own launchers build
+    it: Flask for megatron-core 0.16 (``run_flask_server``), Quart from 0.17
+    (``_run_text_gen_server``), served by hypercorn."""
     import warnings
 
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed")
-    from flask import Flask
     from hypercorn.asyncio import serve
     from hypercorn.config import Config
 
@@ -202,15 +186,33 @@ async def _flask_main(address: str, tokenizer, host: str, port: int) -> None:
     from megatron.core.inference.inference_client import InferenceClient
 
     client = InferenceClient(address)
-    await client.start()
-    app = Flask("tknp_megatron.serving")
-    app.config["client"] = _FailedAsError(client)
+    started = client.start()
+    if inspect.isawaitable(started):  # async in 0.16
+        await started
+    if REPLIES_ARE_RECORDS:
+        from flask import Flask, request
+
+        app = Flask("tknp_megatron.serving")
+        app.config["client"] = _FailedAsError(client)
+        app.before_request(lambda: _body_problem(request.method, request.get_json(silent=True)))
+    else:
+        from quart import Quart, request
+
+        app = Quart("tknp_megatron.serving")
+        app.config["client"] = client  # 0.17+ endpoints report FAILED requests themselves
+        app.config["MAX_CONTENT_LENGTH"] = 2**30
+        app.config["parsers"], app.config["verbose"] = None, False
+
+        @app.before_request
+        async def _check():
+            return _body_problem(request.method, await request.get_json(force=True, silent=True))
     app.config["tokenizer"] = tokenizer
-    app.before_request(_check_body)
     for blueprint in endpoints.__all__:
         app.register_blueprint(blueprint)
     config = Config()
     config.bind = [f"{host}:{port}"]
+    config.keep_alive_timeout = 30.0
+    config.backlog = 2**14
     config.accesslog = None
     await serve(app, config)
 

@@ -201,7 +201,8 @@ def reply_item(
         prompt_tokens=torch.tensor(list(prompt), dtype=torch.int64),
         sampling_params=MegatronSamplingParams.deserialize(dict(megatron_params)),
     )
-    request.add_event_add()
+    # the arrival event: add_event_add in 0.16, add_event_add_engine from 0.17
+    (getattr(request, "add_event_add", None) or request.add_event_add_engine)()
     if result is not None and result.status is RequestStatus.COMPLETED:
         keep = len(result.tokens) - _stop_trim(result, megatron_params, tokenizer)
         request.status = Status.COMPLETED
