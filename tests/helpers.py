@@ -41,12 +41,23 @@ def random_prompts(n: int, lo: int, hi: int, seed: int, vocab: int = 512) -> tup
 
 def assert_matches_reference(results, reference, logits: bool = True) -> None:
     """Each engine result completed with its reference's tokens and, with ``logits``, its
-    logits within 1e-4 (fp32)."""
+    logits within 1e-4 (fp32); log-probs, where returned, equal the reference's
+    log-softmax at each token within 1e-4, and its top tokens."""
     for res, exp in zip(results, reference):
         assert res.status.value == "completed", res.reject_reason
         assert res.tokens == exp.tokens, f"request {res.request_id} on node {res.owner}"
         if logits:
             torch.testing.assert_close(res.logits, exp.logits, atol=1e-4, rtol=0)
+        if res.log_probs is not None:
+            lp = torch.log_softmax(exp.logits.float(), -1)
+            want = lp.gather(1, torch.tensor(exp.tokens)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(res.log_probs), want, atol=1e-4, rtol=0)
+            if res.top_log_probs is not None:
+                n = len(res.top_log_probs[0])
+                top = torch.topk(lp, n)
+                assert [[i for i, _ in row] for row in res.top_log_probs] == top.indices.tolist()
+                torch.testing.assert_close(torch.tensor([[v for _, v in row] for row in res.top_log_probs]),
+                                           top.values, atol=1e-4, rtol=0)
 
 
 def reference_kvs(reference: dict) -> dict:

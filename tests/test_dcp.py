@@ -51,7 +51,7 @@ SCENARIOS = [
     Scenario("waves", "tiny", random_prompts(8, 1, 23, 11), (6, 3, 8, 1, 5, 7, 2, 4),
              kv_tokens_per_node=48, block_size=4),
     Scenario("sampled", "tiny", random_prompts(4, 2, 12, 12), (4, 6, 3, 5), kv_tokens_per_node=96,
-             temperature=0.8, top_k=40, top_p=0.9, block_size=8),
+             temperature=0.8, top_k=40, top_p=0.9, block_size=8, log_probs=2),
 ]
 
 

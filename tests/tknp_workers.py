@@ -28,6 +28,8 @@ class Scenario:
     extra_bad: bool = False  # append invalid requests
     graphs: bool = False  # bucketed, padded decode path (what CUDA graphs replay)
     eos_id: Optional[int] = None
+    log_probs: int = -1  # >= 0: return log-probs with this many top tokens
+    stop: Tuple[Tuple[int, ...], ...] = ()  # stop sequences
 
 
 def params_for(s: Scenario):
@@ -35,7 +37,8 @@ def params_for(s: Scenario):
 
     return [
         SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, max_new_tokens=m,
-                       seed=7, eos_id=s.eos_id)
+                       seed=7, eos_id=s.eos_id, return_log_probs=s.log_probs >= 0,
+                       top_n_logprobs=max(s.log_probs, 0), stop_sequences=s.stop)
         for m in s.max_new
     ]
 
@@ -163,12 +166,15 @@ def _scenarios():
         # 3 requests, roomy cache: with 4 nodes one node owns nothing
         Scenario("llama-few", "tiny", few, (5, 5, 5), kv_tokens_per_node=400),
         Scenario("llama-ingest", "tiny", mixed[:6], max_new[:6], kv_tokens_per_node=96, ingest=True),
+        # log-probs of the drawn tokens and the top 3, computed on the last root
         Scenario("llama-sampled", "tiny", mixed[:6], max_new[:6], kv_tokens_per_node=96,
-                 temperature=0.8, top_k=40, top_p=0.9),
+                 temperature=0.8, top_k=40, top_p=0.9, log_probs=3),
         Scenario("llama-graph-path", "tiny", mixed, max_new, kv_tokens_per_node=40, graphs=True),
         # token 76 is EOS: two requests end on it mid-decode (the reference's greedy tokens
-        # of this scenario contain it at steps 2 and 5), while their next step is queued
-        Scenario("llama-eos", "tiny", mixed, max_new, kv_tokens_per_node=40, eos_id=76),
+        # of this scenario contain it at steps 2 and 5), while their next step is queued;
+        # two more end on a stop sequence (220 373 at steps 3-4, 483 at step 3)
+        Scenario("llama-eos", "tiny", mixed, max_new, kv_tokens_per_node=40, eos_id=76,
+                 stop=((220, 373), (483,))),
         Scenario("llama-bad-input", "tiny", few, (4, 4, 4), kv_tokens_per_node=64, extra_bad=True),
     ]
 

@@ -29,6 +29,8 @@ __all__ = [
     "sample",
     "hash_uniform",
     "token_log_probs",
+    "pack_log_probs",
+    "unpack_log_probs",
 ]
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -264,3 +266,15 @@ def token_log_probs(
     values, ids = torch.topk(lp, top_n, dim=-1, sorted=True) if top_n > 0 else (
         lp.new_empty(lp.shape[0], 0), tokens.new_empty(lp.shape[0], 0))
     return chosen, values, ids
+
+
+def pack_log_probs(chosen: torch.Tensor, values: torch.Tensor, ids: torch.Tensor,
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`token_log_probs`' three outputs as one ``[R, 1 + 2 top_n]`` float32 tensor,
+    for one collective (ids travel as float32: exact below 2**24, far above any vocabulary)."""
+    return torch.cat((chosen[:, None], values, ids.to(torch.float32)), dim=1, out=out)
+
+
+def unpack_log_probs(packed: torch.Tensor, top_n: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`pack_log_probs`: ``(chosen [R], values [R, top_n], ids [R, top_n])``."""
+    return packed[:, 0], packed[:, 1:1 + top_n], packed[:, 1 + top_n:].to(torch.int64)

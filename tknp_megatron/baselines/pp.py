@@ -29,6 +29,7 @@ from tknp_megatron.executor.owner_attention import OwnerAttention
 from tknp_megatron.executor.rope import Rope
 from tknp_megatron.executor.step_inputs import prepare_inputs
 from tknp_megatron.executor.tknp import draw_tokens
+from tknp_megatron.sampling import pack_log_probs, token_log_probs, unpack_log_probs
 from tknp_megatron.kv_cache import PagedKVCache
 from tknp_megatron.plan import Admission, StepPlan, build_plan
 
@@ -111,7 +112,12 @@ class PPExecutor:
         if plan.record_logits:
             logits = torch.empty(n, self.vocab, dtype=torch.float32, device=self.device)
             dist.recv(logits, src)
-        return StepOutput(tokens, logits)
+        top_n = plan.log_probs_top_n
+        if top_n < 0:
+            return StepOutput(tokens, logits)
+        packed = torch.empty(n, 1 + 2 * top_n, dtype=torch.float32, device=self.device)
+        dist.recv(packed, src)
+        return StepOutput(tokens, logits, *unpack_log_probs(packed, top_n))
 
     # ---------------------------------------------------------------- compute
     def apply_admissions(self, admissions: List[Admission]) -> None:
@@ -131,15 +137,19 @@ class PPExecutor:
         if not plan.num_requests:
             return None
         tokens, logits = out
-        output = StepOutput(tokens, logits if plan.record_logits else None)
+        top_n = plan.log_probs_top_n
+        log_probs = token_log_probs(logits, tokens, top_n) if top_n >= 0 else (None, None, None)
+        output = StepOutput(tokens, logits if plan.record_logits else None, *log_probs)
         coordinator = self.groups.coordinator_rank
         if self.num_stages == 1:
             if self.groups.is_coordinator:
                 self._local[plan.step] = output  # read back by receive_tokens
-        elif self.groups.tp_rank == 0:  # tokens go to the coordinator
+        elif self.groups.tp_rank == 0:  # tokens (and logits, log-probs) go to the coordinator
             dist.send(tokens, coordinator)
             if plan.record_logits:
                 dist.send(logits.contiguous(), coordinator)
+            if top_n >= 0:
+                dist.send(pack_log_probs(*log_probs), coordinator)
         return output
 
     def _run(self, plan: StepPlan, hidden: Optional[torch.Tensor]):
@@ -194,8 +204,6 @@ class PPInferenceEngine(InferenceEngine):
         reason = super()._problem(req)
         if reason is None and req.kv is not None:
             return f"request {req.request_id}: the PP baseline takes outside KV only as synthetic_kv"
-        if reason is None and req.params.return_log_probs:
-            return f"request {req.request_id}: the PP baseline returns no log-probs"
         return reason
 
     def _steps_in_flight(self) -> bool:

@@ -34,7 +34,14 @@ from tknp_megatron.models.model import StageModel
 from tknp_megatron.placement import Placement
 from tknp_megatron.plan import Admission, StepPlan
 from tknp_megatron.profiler import PhaseTimer
-from tknp_megatron.sampling import SamplingTensors, greedy, sample, token_log_probs
+from tknp_megatron.sampling import (
+    SamplingTensors,
+    greedy,
+    pack_log_probs,
+    sample,
+    token_log_probs,
+    unpack_log_probs,
+)
 
 __all__ = ["TKNPExecutor", "draw_tokens"]
 
@@ -215,17 +222,14 @@ class TKNPExecutor:
             if logits is not None:
                 logits.copy_(full)
             if packed is not None:
-                chosen, values, ids = token_log_probs(full, tokens, top_n)
-                # ids travel as float32: exact below 2**24, far above any vocabulary
-                torch.cat((chosen[:, None], values, ids.to(torch.float32)), dim=1, out=packed)
+                pack_log_probs(*token_log_probs(full, tokens, top_n), out=packed)
         dist.broadcast(tokens, src=src, group=self.groups.pool_group)
         if logits is not None:
             dist.broadcast(logits, src=src, group=self.groups.pool_group)
         if packed is None:
             return StepOutput(tokens, logits)
         dist.broadcast(packed, src=src, group=self.groups.pool_group)
-        return StepOutput(tokens, logits, packed[:, 0], packed[:, 1:1 + top_n],
-                          packed[:, 1 + top_n:].to(torch.int64))
+        return StepOutput(tokens, logits, *unpack_log_probs(packed, top_n))
 
 
 def draw_tokens(logits: torch.Tensor, sampling: SamplingTensors, all_greedy: bool) -> torch.Tensor:

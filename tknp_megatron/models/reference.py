@@ -114,5 +114,8 @@ def reference_generate(
             tokens.append(int(tok[0]))
             if p.eos_id is not None and tokens[-1] == p.eos_id:
                 break
+            generated = tuple(tokens[len(prompt):])
+            if any(generated[-len(seq):] == tuple(seq) for seq in p.stop_sequences if len(generated) >= len(seq)):
+                break  # ends with a stop sequence (kept)
         out.append(ReferenceOutput(tuple(tokens[len(prompt):]), torch.stack(logits_rows).cpu()))
     return out
