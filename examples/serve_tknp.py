@@ -194,7 +194,6 @@ def serve_rank(rank: int, world: int, job: ServeJob) -> None:
                             args.max_requests_per_node * args.nodes)
     box = [frontend.address if frontend else None]
     dist.broadcast_object_list(box, src=0, device=object_device)
-    failed = True
     try:
         if groups.is_coordinator:
             link = CoordinatorLink(box[0], groups.pool)
@@ -216,11 +215,9 @@ def serve_rank(rank: int, world: int, job: ServeJob) -> None:
                   flush=True)
         else:
             engine.serve()
-        failed = False
     finally:
         if frontend is not None:
-            if failed or stop.is_set():
-                time.sleep(2.0)  # the last error replies reach their clients first
+            time.sleep(2.0)  # the last replies (errors of a stop or a failure) reach their clients
             frontend.stop()
     ps.destroy_model_parallel()
 

@@ -302,6 +302,24 @@ def test_orderly_stop_both_pools_served_and_nothing_is_left(server, served):
     assert sorted(completed) == [0, 1] and min(completed.values()) > 0, ended
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--pools", "0"], "--pools 0: must be at least 1"),
+    (["--tp", "3"], "--tp 3: must divide the 4 attention heads of tiny"),
+    (["--nodes", "9", "--tp", "1"], "--nodes 9: at most 6"),
+    (["--port", "70000"], "--port 70000: must be a TCP port in [1, 65535]"),
+    (["--idle-tick", "0"], "--idle-tick 0.0: must be positive"),
+    (["--idle-tick", "300", "--timeout", "600"], "--idle-tick 300.0: must be well inside --timeout"),
+    (["--kv-tokens-per-node", "8"], "--kv-tokens-per-node 8: must hold at least one block"),
+    (["--layers", "0"], "--layers 0: must be at least 1"),
+], ids=["pools", "tp", "nodes", "port", "idle_tick", "idle_tick_timeout", "kv", "layers"])
+def test_bad_flags_are_one_line_before_any_process(argv, message, capsys):
+    from tests.helpers import load_job_module
+
+    assert load_job_module("serve_tknp").main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("serve_tknp.py: error: ") and message in err and "\n" not in err, err
+
+
 def test_a_rank_killed_mid_decode_fails_open_requests_and_every_process_exits():
     s = Server("--nodes", "2", "--tp", "1", make=True)  # as the README's `make serve`
     try:

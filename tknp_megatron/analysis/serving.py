@@ -71,7 +71,7 @@ def _warm_up(engine, workload: Workload, vocab: int, seed: int, pools: int) -> N
         engine.release_trace(_arrivals(warm, vocab, seed, engine.groups.pool, pools))
         engine.run_until_done()
         engine.requests.clear()
-        engine.resident_log.clear()
+        engine.resident_steps = engine.resident_total = 0
         engine.scheduler.waves = 0
     else:
         engine.serve()
@@ -105,7 +105,7 @@ def run_mode(
             mine = ([r.timeline for r in engine.requests.values()],
                     {rid: tuple(r.generated) for rid, r in engine.requests.items()},
                     engine.scheduler.waves, tuple(engine.kv_capacity_tokens),
-                    sum(engine.resident_log) / max(1, len(engine.resident_log)))
+                    engine.mean_resident)
         else:
             engine.serve()
             mine = None

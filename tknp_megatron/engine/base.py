@@ -97,7 +97,7 @@ class InferenceEngine(abc.ABC):
             self.executor.enable_cuda_graphs()
         self.requests: Dict[int, Request] = {}
         self._arrivals = ArrivalQueue(clock)  # trace replay: requests still to arrive
-        self.resident_log: List[int] = []  # requests resident at each step (coordinator)
+        self.resident_steps = self.resident_total = 0  # steps booked, requests resident over them
         self._next_id = 0
         self.peak_kv_tokens = [0] * len(self.block_counts)  # per owner, most tokens cached
         self._step = 0
@@ -249,7 +249,8 @@ class InferenceEngine(abc.ABC):
         start = time.perf_counter()
         tokens = (copy or HostCopy(out.tokens)).result().tolist()
         self.loop_timing.wait_s += time.perf_counter() - start
-        self.resident_log.append(self.scheduler.num_running())
+        self.resident_steps += 1
+        self.resident_total += self.scheduler.num_running()
         log_probs = StepLogProbs.read(out.log_probs, out.top_log_probs, out.top_ids)
         finished = self.scheduler.postprocess(plan, tokens, out.logits, self.clock(), log_probs)
         used = self.scheduler.kv_tokens_per_node(plan)
@@ -313,6 +314,11 @@ class InferenceEngine(abc.ABC):
         if req.status in (RequestStatus.WAITING, RequestStatus.RUNNING):
             raise ValueError(f"request {request_id} has not ended ({req.status.value})")
         del self.requests[request_id]
+
+    @property
+    def mean_resident(self) -> float:
+        """Requests resident per booked step, on average (coordinator)."""
+        return self.resident_total / max(1, self.resident_steps)
 
     def metrics(self) -> ServingMetrics:
         """Serving metrics over every request submitted so far (coordinator)."""
