@@ -217,7 +217,7 @@ def serve_rank(rank: int, world: int, job: ServeJob) -> None:
             engine.serve()
     finally:
         if frontend is not None:
-            time.sleep(2.0)  # the last replies (errors of a stop or a failure) reach their clients
+            time.sleep(1.0)  # the last replies (errors of a stop or a failure) reach their clients
             frontend.stop()
     ps.destroy_model_parallel()
 

@@ -324,13 +324,13 @@ def test_a_rank_killed_mid_decode_fails_open_requests_and_every_process_exits():
     s = Server("--nodes", "2", "--tp", "1", make=True)  # as the README's `make serve`
     try:
         def ask(i):
-            body = dict(prompt=[1, 2, 3, i], max_tokens=900, temperature=0)
+            body = dict(prompt=[1, 2, 3, i], max_tokens=1000, temperature=0)
             r = requests.post(s.url + "/v1/completions", json=body, timeout=120)
             return r, time.monotonic()
 
-        with ThreadPoolExecutor(4) as pool:
-            futures = [pool.submit(ask, i) for i in range(4)]
-            time.sleep(3.0)  # decoding
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(ask, i) for i in range(8)]
+            time.sleep(1.0)  # decoding (1000 steps take several seconds)
             killed_at = time.monotonic()
             os.kill(s.info["rank_pids"][1], signal.SIGKILL)
             replies = [f.result() for f in futures]

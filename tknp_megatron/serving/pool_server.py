@@ -12,7 +12,9 @@ the pool follow from :meth:`~tknp_megatron.engine.base.InferenceEngine.serve` as
 - Every request ends with a reply: COMPLETED, or FAILED with the reason (refused at once,
   rejected by the engine, or ended by a stop or a pool failure).
 - PAUSE stops stepping (requests are kept, new ones queue) until UNPAUSE; STOP, or
-  ``should_stop()`` (a signal), ends the remaining requests and stops the pool's ranks.
+  ``should_stop()`` (a signal), ends the remaining requests and stops the pool's ranks;
+  requests that still arrive afterwards are refused with the reason until the link has
+  been quiet for two seconds (the front end may still hold some it had queued).
   SUSPEND / RESUME (Megatron's GPU-memory offload) change nothing here.
 """
 
@@ -86,10 +88,14 @@ class PoolServer:
                     engine.idle()
                     last_collective = time.monotonic()
         except Exception as err:
-            self._end_open(f"pool {self.link.dp_rank} failed: {type(err).__name__}: {err}")
+            reason = f"pool {self.link.dp_rank} failed: {type(err).__name__}: {err}"
+            self._end_open(reason)
+            self._refuse_late_arrivals(reason)
             raise
-        self._end_open(f"the server stopped ({self._stop_by}) before the request finished")
+        reason = f"the server stopped ({self._stop_by}) before the request finished"
+        self._end_open(reason)
         engine.shutdown()
+        self._refuse_late_arrivals(reason)
         return ServeSummary(self.link.dp_rank, self._completed, self._failed, self._steps, self._stop_by)
 
     # ------------------------------------------------------------------ messages
@@ -140,6 +146,20 @@ class PoolServer:
             else:
                 self._failed += 1
         self.link.reply(items)
+
+    def _refuse_late_arrivals(self, reason: str, quiet_s: float = 2.0, limit_s: float = 30.0) -> None:
+        """After the pool stopped: answer every request still arriving FAILED with
+        ``reason`` (the front end may still be handing over requests it had queued) until
+        none has come for ``quiet_s``."""
+        start = last = time.monotonic()
+        while time.monotonic() - last < quiet_s and time.monotonic() - start < limit_s:
+            for message in self.link.receive(200):
+                last = time.monotonic()
+                if message.header == "SUBMIT_REQUEST":
+                    request_id, prompt, params = message.fields
+                    ids = prompt if isinstance(prompt, list) else []
+                    self._send([reply_item(request_id, ids, params, self.tokenizer,
+                                           failure=f"request {request_id}: {reason}")])
 
     def _end_open(self, reason: str) -> None:
         """Every open request ends FAILED with ``reason`` (no collective is run)."""
