@@ -249,6 +249,37 @@ def test_stop_words_end_a_request_where_megatrons_engine_would(server, served):
     assert len(record["generated_log_probs"] or []) == len(cut)
 
 
+def test_pause_holds_requests_until_unpause(server, served):
+    """Megatron's PAUSE (through its coordinator, to both pools): a request submitted while
+    paused waits; after UNPAUSE it completes with the offline tokens."""
+    from megatron.core.inference.inference_client import InferenceClient
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    async def go():
+        client = InferenceClient(server.info["coordinator"])
+        started = client.start()
+        if inspect.isawaitable(started):
+            await started
+        try:
+            paused = client.pause_engines()
+            if inspect.isawaitable(paused):  # 0.16 waits for every pool's PAUSE_ACK
+                await asyncio.wait_for(paused, 60)
+            await asyncio.sleep(0.5)
+            future = client.add_request(served["prompts"][3], SamplingParams(
+                temperature=1.0, top_k=1, num_tokens_to_generate=MAX_TOKENS, termination_id=EOD))
+            await asyncio.sleep(2.0)
+            waited = not future.done()
+            client.unpause_engines()
+            return waited, await asyncio.wait_for(future, 60)
+        finally:
+            client.stop()
+
+    waited, reply = asyncio.run(go())
+    assert waited, "a request submitted while paused was served"
+    tokens = reply["generated_tokens"] if isinstance(reply, dict) else reply.requests[-1].generated_tokens
+    assert list(tokens) == list(served["offline"][3])
+
+
 @pytest.mark.parametrize("body, messages", [
     (dict(prompt="", max_tokens=4), ("prompt' is empty", "Missing 'prompt' field")),
     (dict(prompt="1 2 600", max_tokens=4), ("token id 600 outside the vocabulary [0, 512)",)),
