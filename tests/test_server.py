@@ -44,9 +44,9 @@ class Server:
     """``serve_tknp.py`` in a subprocess: its ready line, its stdout, its process tree."""
 
     def __init__(self, *flags: str, make: bool = False):
-        from tknp_megatron.serving.frontend import free_tcp_port
+        from tknp_megatron.launch import free_port
 
-        self.port = free_tcp_port()
+        self.port = free_port()
         self.stderr = tempfile.NamedTemporaryFile("w+", prefix="serve_tknp-", suffix=".log")
         flags = ("--port", str(self.port), *flags)
         argv = ["make", "serve", "ARGS=" + " ".join(flags)] if make else [sys.executable, str(SERVE), *flags]

@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import multiprocessing as mp
-import socket
 import time
 import urllib.request
 from typing import Any, Callable, Dict, Optional
@@ -215,9 +214,3 @@ async def _http_main(address: str, tokenizer, host: str, port: int) -> None:
     config.backlog = 2**14
     config.accesslog = None
     await serve(app, config)
-
-
-def free_tcp_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

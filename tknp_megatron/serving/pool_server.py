@@ -120,8 +120,7 @@ class PoolServer:
         try:
             req = to_engine_request(prompt, params, self.tokenizer, self.max_sequence_length)
         except RequestRefused as err:
-            ids = prompt if isinstance(prompt, list) else []
-            self._send([reply_item(request_id, ids, params, self.tokenizer,
+            self._send([reply_item(request_id, _ids(prompt), params, self.tokenizer,
                                    failure=f"request {request_id}: {err}")])
             return
         self.engine.add_request(req.prompt, req.params, request_id=request_id)
@@ -157,11 +156,16 @@ class PoolServer:
                 last = time.monotonic()
                 if message.header == "SUBMIT_REQUEST":
                     request_id, prompt, params = message.fields
-                    ids = prompt if isinstance(prompt, list) else []
-                    self._send([reply_item(request_id, ids, params, self.tokenizer,
+                    self._send([reply_item(request_id, _ids(prompt), params, self.tokenizer,
                                            failure=f"request {request_id}: {reason}")])
 
     def _end_open(self, reason: str) -> None:
         """Every open request ends FAILED with ``reason`` (no collective is run)."""
         ended = self.engine.abort_all(reason)
         self._reply([rid for rid in ended if rid in self._open])
+
+
+def _ids(prompt) -> list:
+    """A refused request's prompt ids for its reply (none unless it is a list of ids)."""
+    ok = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    return prompt if ok else []

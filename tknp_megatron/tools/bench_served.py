@@ -138,9 +138,9 @@ def run_served(args, prompts) -> dict:
     """Start the server, send the trace twice (the second pass timed), stop it."""
     import requests
 
-    from tknp_megatron.serving.frontend import free_tcp_port
+    from tknp_megatron.launch import free_port
 
-    port = free_tcp_port()
+    port = free_port()
     launcher = [sys.executable, str(SERVE)]
     if args.device == "cuda":
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.gpus), str(SERVE)]
