@@ -12,13 +12,47 @@ from typing import List, Optional
 
 import torch
 
-from tknp_megatron.config import ModelPreset
+from tknp_megatron.config import PRESETS, ModelPreset
 from tknp_megatron.models.tokenizer import Tokenizer
 from tknp_megatron.pool_checks import pool_problems
 
 
 class JobError(ValueError):
     """A flag or file the job cannot run with; the message is one line for the user."""
+
+
+def add_model_flags(p, tokenizer_help: str = "HF tokenizer folder") -> None:
+    """The flags that say what model runs, and where: both launchers take them."""
+    p.add_argument("--model", default=None,
+                   help=f"model preset with seeded weights (default tiny): {', '.join(sorted(PRESETS))}")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--load", default=None, metavar="DIR", help="Megatron dist checkpoint")
+    src.add_argument("--hf", default=None, metavar="DIR",
+                     help="Hugging Face Llama / Mistral / Qwen2 / Nemotron folder")
+    p.add_argument("--model-config", default=None, metavar="FILE", help="model JSON")
+    p.add_argument("--tokenizer", default=None, metavar="DIR", help=tokenizer_help)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="float32 (CPU default) or bfloat16 (GPU default)")
+
+
+def finish_model_flags(p, args) -> None:
+    """:func:`add_model_flags`' defaults and the combinations it refuses (argparse errors)."""
+    if args.dtype is None:
+        args.dtype = "float32" if args.device == "cpu" else "bfloat16"
+    if args.model and (args.load or args.hf or args.model_config):
+        p.error("--model is a preset with seeded weights: not with --load / --hf / --model-config")
+    if args.hf and args.model_config:
+        p.error("--hf takes the architecture from the folder's config.json")
+
+
+def rank_device(args, rank: int) -> torch.device:
+    """This rank's device: LOCAL_RANK's GPU (bound first, before NCCL starts) or the CPU."""
+    if args.device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
 
 
 def check_flags(args, preset: ModelPreset) -> None:

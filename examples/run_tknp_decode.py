@@ -44,13 +44,16 @@ warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not inst
 
 from job_inputs import (  # noqa: E402
     JobError,
+    add_model_flags,
     check_flags,
     default_kv_budget,
+    finish_model_flags,
     load_tokenizer,
     make_prompts,
+    rank_device,
 )
 
-from tknp_megatron.config import PRESETS, dtype_from_name  # noqa: E402
+from tknp_megatron.config import dtype_from_name  # noqa: E402
 from tknp_megatron.launch import init_distributed, spawn  # noqa: E402
 from tknp_megatron.models.source import (  # noqa: E402
     ModelSource,
@@ -68,8 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--nodes", type=int, default=2, help="token-parallel nodes N")
     p.add_argument("--tp", type=int, default=2, help="TP ranks per node T")
-    p.add_argument("--model", default=None,
-                   help=f"model preset with seeded weights (default tiny): {', '.join(sorted(PRESETS))}")
+    add_model_flags(p)
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--prompt-len", type=int, nargs=2, default=(4, 48), metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, default=12, help="max new tokens per request")
@@ -79,17 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--policy", choices=("usage", "reserved"), default="usage")
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                   help="float32 (CPU default) or bfloat16 (GPU default)")
     p.add_argument("--prompts-file", default=None,
                    help="JSON list of token-id lists (or of strings, with --tokenizer)")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--load", default=None, metavar="DIR", help="Megatron dist checkpoint")
-    src.add_argument("--hf", default=None, metavar="DIR",
-                     help="Hugging Face Llama / Mistral / Qwen2 / Nemotron folder")
-    p.add_argument("--model-config", default=None, metavar="FILE", help="model JSON")
-    p.add_argument("--tokenizer", default=None, metavar="DIR", help="HF tokenizer folder")
     p.add_argument("--prompt", action="append", default=None, metavar="TEXT",
                    help="text prompt (repeatable; needs --tokenizer)")
     p.add_argument("--no-reference", action="store_true", help="skip the reference run")
@@ -99,16 +92,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung pool fails")
     args = p.parse_args(argv)
-    if args.dtype is None:
-        args.dtype = "float32" if args.device == "cpu" else "bfloat16"
+    finish_model_flags(p, args)
     if args.prompt and not args.tokenizer:
         p.error("--prompt needs --tokenizer")
     if args.prompt and args.prompts_file:
         p.error("--prompt and --prompts-file: choose one")
-    if args.model and (args.load or args.hf or args.model_config):
-        p.error("--model is a preset with seeded weights: not with --load / --hf / --model-config")
-    if args.hf and args.model_config:
-        p.error("--hf takes the architecture from the folder's config.json")
     return args
 
 
@@ -145,14 +133,6 @@ def prepare_job(args) -> Job:
     if kv is None and args.device == "cpu":
         kv = default_kv_budget(args, prompts)
     return Job(args, source, prompts, kv, tokenizer.eos_id if tokenizer else None)
-
-
-def _device(args, rank: int) -> torch.device:
-    if args.device == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", rank))
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
-    return torch.device("cpu")
 
 
 def _weights(source: ModelSource, seed: int):
@@ -228,7 +208,7 @@ def _close(bar) -> None:
 def worker(rank: int, world: int, job: Job):
     """Everything one rank does; returns the report on rank 0."""
     warnings.simplefilter("ignore")  # Megatron warns about missing Apex / TE at import
-    device = _device(job.args, rank)
+    device = rank_device(job.args, rank)
     results, summary = run_tknp(job, device)
     reference = None
     if not job.args.no_reference:  # the reference serves what the pool accepted
@@ -246,7 +226,7 @@ def run_torchrun(job: Job):
     """This process's part of a torchrun launch; the report on rank 0."""
     args = job.args
     rank, world = int(os.environ["RANK"]), args.nodes * args.tp
-    _device(args, rank)  # bind the GPU before NCCL starts
+    rank_device(args, rank)  # bind the GPU before NCCL starts
     init_distributed("nccl" if args.device == "cuda" else "gloo", rank, world, args.timeout)
     with converted_checkpoint(job.model, args.dtype, args.timeout, convert_here=rank == 0) as source:
         box = [source]  # rank 0 converted --hf: every rank serves its checkpoint

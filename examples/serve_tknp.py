@@ -41,9 +41,15 @@ import torch.distributed as dist
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed")
 
-from job_inputs import JobError, load_tokenizer  # noqa: E402
+from job_inputs import (  # noqa: E402
+    JobError,
+    add_model_flags,
+    finish_model_flags,
+    load_tokenizer,
+    rank_device,
+)
 
-from tknp_megatron.config import PRESETS, dtype_from_name  # noqa: E402
+from tknp_megatron.config import dtype_from_name  # noqa: E402
 from tknp_megatron.launch import init_distributed, supervise  # noqa: E402
 from tknp_megatron.models.source import (  # noqa: E402
     ModelSource,
@@ -63,17 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=2, help="TP ranks per node T")
     p.add_argument("--pools", type=int, default=1,
                    help="pools in the world, each a data-parallel engine of the coordinator")
-    p.add_argument("--model", default=None,
-                   help=f"model preset with seeded weights (default tiny): {', '.join(sorted(PRESETS))}")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--load", default=None, metavar="DIR", help="Megatron dist checkpoint")
-    src.add_argument("--hf", default=None, metavar="DIR",
-                     help="Hugging Face Llama / Mistral / Qwen2 / Nemotron folder")
-    p.add_argument("--model-config", default=None, metavar="FILE", help="model JSON")
+    add_model_flags(p, "HF tokenizer folder (default: Megatron's null tokenizer, ids as text)")
     p.add_argument("--layers", type=int, default=None,
                    help="with --model: stack this many of the preset's layers (benchmarks)")
-    p.add_argument("--tokenizer", default=None, metavar="DIR",
-                   help="HF tokenizer folder (default: Megatron's null tokenizer, ids as text)")
     p.add_argument("--seed", type=int, default=0, help="seed of the preset's weights")
     p.add_argument("--kv-tokens-per-node", type=int, default=None,
                    help="KV budget per node in tokens (CPU default: 4 x max_sequence_length; "
@@ -82,9 +80,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-requests-per-node", type=int, default=256)
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                   help="float32 (CPU default) or bfloat16 (GPU default)")
     p.add_argument("--host", default="127.0.0.1",
                    help="interface of the HTTP server and the coordinator (0.0.0.0: all)")
     p.add_argument("--port", type=int, default=5000, help="HTTP port")
@@ -94,12 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600.0,
                    help="collective timeout in seconds (a hung or dead rank fails the pool)")
     args = p.parse_args(argv)
-    if args.dtype is None:
-        args.dtype = "float32" if args.device == "cpu" else "bfloat16"
-    if args.model and (args.load or args.hf or args.model_config):
-        p.error("--model is a preset with seeded weights: not with --load / --hf / --model-config")
-    if args.hf and args.model_config:
-        p.error("--hf takes the architecture from the folder's config.json")
+    finish_model_flags(p, args)
     if args.layers is not None and (args.load or args.hf or args.model_config):
         p.error("--layers cuts a preset (--model): not with --load / --hf / --model-config")
     return args
@@ -149,14 +139,6 @@ def prepare(args) -> ServeJob:
 
 
 # ----------------------------------------------------------------------------- a rank
-def _device(args, rank: int) -> torch.device:
-    if args.device == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", rank))
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
-    return torch.device("cpu")
-
-
 def serve_rank(rank: int, world: int, job: ServeJob) -> None:
     """One rank: build the pool's engine; a pool coordinator serves Megatron's
     coordinator, the other ranks follow it; rank 0 also runs Megatron's front end."""
@@ -174,7 +156,7 @@ def serve_rank(rank: int, world: int, job: ServeJob) -> None:
         signal.signal(sig, lambda *_: stop.set())
     args, source = job.args, job.model
     preset = source.preset
-    device = _device(args, rank)
+    device = rank_device(args, rank)
     groups = ps.initialize_model_parallel(tensor_model_parallel_size=args.tp,
                                           token_parallel_size=args.nodes, num_pools=args.pools)
     config = EngineConfig(
@@ -226,7 +208,7 @@ def serve_rank(rank: int, world: int, job: ServeJob) -> None:
 def run_torchrun(job: ServeJob) -> int:
     args = job.args
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    _device(args, rank)  # bind the GPU before NCCL starts
+    rank_device(args, rank)  # bind the GPU before NCCL starts
     init_distributed("nccl" if args.device == "cuda" else "gloo", rank, world, args.timeout)
     with converted_checkpoint(job.model, args.dtype, args.timeout, convert_here=rank == 0) as source:
         box = [source]
