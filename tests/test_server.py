@@ -333,6 +333,40 @@ def test_orderly_stop_both_pools_served_and_nothing_is_left(server, served):
     assert sorted(completed) == [0, 1] and min(completed.values()) > 0, ended
 
 
+def test_megatrons_stop_ends_the_server_in_order():
+    """Megatron's STOP through its coordinator (after PAUSE, as 0.17+ requires): the pool
+    stops, the launcher exits 0 and no process is left."""
+    from megatron.core.inference.inference_client import InferenceClient
+
+    s = Server("--nodes", "2", "--tp", "1")
+    try:
+        async def go():
+            client = InferenceClient(s.info["coordinator"])
+            started = client.start()
+            if inspect.isawaitable(started):
+                await started
+            try:
+                paused = client.pause_engines()
+                if inspect.isawaitable(paused):
+                    await asyncio.wait_for(paused, 60)
+                await asyncio.sleep(0.5)
+                client.stop_engines()
+                await asyncio.sleep(1.0)  # let the signal leave before the socket closes
+            finally:
+                client.stop()
+
+        asyncio.run(go())
+        assert s.proc.wait(60) == 0, s.log()
+        assert any("ended (STOP)" in line for line in s.lines), s.lines
+        deadline = time.monotonic() + 15
+        while s.alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert s.alive() == []
+    finally:
+        if s.proc.poll() is None:
+            s.kill()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--pools", "0"], "--pools 0: must be at least 1"),
     (["--tp", "3"], "--tp 3: must divide the 4 attention heads of tiny"),
