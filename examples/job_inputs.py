@@ -46,6 +46,16 @@ def finish_model_flags(p, args) -> None:
         p.error("--hf takes the architecture from the folder's config.json")
 
 
+def check_launch(args, shape: str, world: int) -> None:
+    """GPU runs go under torchrun, whose WORLD_SIZE must be the pool shape's ``world``
+    (``shape`` names its flags, e.g. ``--nodes 2 --tp 1``)."""
+    if args.device == "cuda" and "RANK" not in os.environ:
+        raise JobError("--device cuda: runs under torchrun, one process per GPU")
+    if "RANK" in os.environ and int(os.environ["WORLD_SIZE"]) != world:
+        raise JobError(f"{shape}: their product must equal torchrun's WORLD_SIZE "
+                       f"{os.environ['WORLD_SIZE']}")
+
+
 def rank_device(args, rank: int) -> torch.device:
     """This rank's device: LOCAL_RANK's GPU (bound first, before NCCL starts) or the CPU."""
     if args.device == "cuda":

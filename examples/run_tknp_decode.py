@@ -46,6 +46,7 @@ from job_inputs import (  # noqa: E402
     JobError,
     add_model_flags,
     check_flags,
+    check_launch,
     default_kv_budget,
     finish_model_flags,
     load_tokenizer,
@@ -249,11 +250,7 @@ def run_local(job: Job):
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        if args.device == "cuda" and "RANK" not in os.environ:
-            raise JobError("--device cuda: runs under torchrun, one process per GPU")
-        if "RANK" in os.environ and int(os.environ["WORLD_SIZE"]) != args.nodes * args.tp:
-            raise JobError(f"--nodes {args.nodes} --tp {args.tp}: their product must equal "
-                           f"torchrun's WORLD_SIZE {os.environ['WORLD_SIZE']}")
+        check_launch(args, f"--nodes {args.nodes} --tp {args.tp}", args.nodes * args.tp)
         job = prepare_job(args)
     except (JobError, SourceError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)

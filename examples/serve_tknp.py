@@ -44,6 +44,7 @@ warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not inst
 from job_inputs import (  # noqa: E402
     JobError,
     add_model_flags,
+    check_launch,
     finish_model_flags,
     load_tokenizer,
     rank_device,
@@ -230,12 +231,8 @@ def run_local(job: ServeJob) -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        world = args.pools * args.nodes * args.tp
-        if args.device == "cuda" and "RANK" not in os.environ:
-            raise JobError("--device cuda: runs under torchrun, one process per GPU")
-        if "RANK" in os.environ and int(os.environ["WORLD_SIZE"]) != world:
-            raise JobError(f"--pools {args.pools} --nodes {args.nodes} --tp {args.tp}: their product "
-                           f"must equal torchrun's WORLD_SIZE {os.environ['WORLD_SIZE']}")
+        check_launch(args, f"--pools {args.pools} --nodes {args.nodes} --tp {args.tp}",
+                     args.pools * args.nodes * args.tp)
         job = prepare(args)
     except (JobError, SourceError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)

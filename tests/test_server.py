@@ -81,6 +81,14 @@ class Server:
     def alive(self) -> list:
         return [p for p in self.tree if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
 
+    def left_after(self, seconds: float) -> list:
+        """The processes of the server's tree still alive ``seconds`` from now, or sooner
+        once none is."""
+        deadline = time.monotonic() + seconds
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return self.alive()
+
     def kill(self):
         with contextlib.suppress(psutil.Error):
             self.tree += [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
@@ -209,11 +217,10 @@ def test_max_tokens_and_health_over_plain_http(server, served):
         assert r.status_code == 200 and _tokens(r.json()["choices"][0]) == list(served["offline"][5][:n])
 
 
-def _megatron_client(server, prompt, **params) -> dict:
-    """Megatron's own ``InferenceClient`` (ZMQ to its coordinator): the ended request, as a
-    dict (0.16 replies with a record object, 0.17 and later with the serialized request)."""
+def _with_megatron_client(server, use):
+    """``await use(client)`` with Megatron's own ``InferenceClient`` connected to the
+    server's coordinator (ZMQ), started and stopped as the installed version needs."""
     from megatron.core.inference.inference_client import InferenceClient
-    from megatron.core.inference.sampling_params import SamplingParams
 
     async def go():
         client = InferenceClient(server.info["coordinator"])
@@ -221,11 +228,23 @@ def _megatron_client(server, prompt, **params) -> dict:
         if inspect.isawaitable(started):  # async in 0.16
             await started
         try:
-            return await asyncio.wait_for(client.add_request(prompt, SamplingParams(**params)), 120)
+            return await use(client)
         finally:
             client.stop()
 
-    reply = asyncio.run(go())
+    return asyncio.run(go())
+
+
+async def _pause(client) -> None:
+    paused = client.pause_engines()
+    if inspect.isawaitable(paused):  # 0.16 waits for every pool's PAUSE_ACK
+        await asyncio.wait_for(paused, 60)
+    await asyncio.sleep(0.5)
+
+
+def _as_dict(reply) -> dict:
+    """An ended request as a dict (0.16 replies with a record object, 0.17 and later with
+    the serialized request)."""
     if isinstance(reply, dict):
         return reply
     request = reply.requests[-1]
@@ -240,9 +259,10 @@ def test_stop_words_end_a_request_where_megatrons_engine_would(server, served):
     word = full[2]  # the first occurrence of this token ends the request
     kept = "detokenize_stop_sequence" not in SamplingParams.__dataclass_fields__  # 0.16 keeps it
     cut = full[: full.index(word) + kept]
-    record = _megatron_client(server, served["prompts"][7], temperature=1.0, top_k=1,
-                              num_tokens_to_generate=MAX_TOKENS, stop_words=[str(word)],
-                              return_log_probs=True, skip_prompt_log_probs=True)
+    params = SamplingParams(temperature=1.0, top_k=1, num_tokens_to_generate=MAX_TOKENS,
+                            stop_words=[str(word)], return_log_probs=True, skip_prompt_log_probs=True)
+    record = _as_dict(_with_megatron_client(server, lambda client: asyncio.wait_for(
+        client.add_request(served["prompts"][7], params), 120)))
     assert record["status"] == "COMPLETED"
     assert list(record["generated_tokens"]) == cut
     assert _ids(record["generated_text"]) == cut
@@ -252,32 +272,20 @@ def test_stop_words_end_a_request_where_megatrons_engine_would(server, served):
 def test_pause_holds_requests_until_unpause(server, served):
     """Megatron's PAUSE (through its coordinator, to both pools): a request submitted while
     paused waits; after UNPAUSE it completes with the offline tokens."""
-    from megatron.core.inference.inference_client import InferenceClient
     from megatron.core.inference.sampling_params import SamplingParams
 
-    async def go():
-        client = InferenceClient(server.info["coordinator"])
-        started = client.start()
-        if inspect.isawaitable(started):
-            await started
-        try:
-            paused = client.pause_engines()
-            if inspect.isawaitable(paused):  # 0.16 waits for every pool's PAUSE_ACK
-                await asyncio.wait_for(paused, 60)
-            await asyncio.sleep(0.5)
-            future = client.add_request(served["prompts"][3], SamplingParams(
-                temperature=1.0, top_k=1, num_tokens_to_generate=MAX_TOKENS, termination_id=EOD))
-            await asyncio.sleep(2.0)
-            waited = not future.done()
-            client.unpause_engines()
-            return waited, await asyncio.wait_for(future, 60)
-        finally:
-            client.stop()
+    async def use(client):
+        await _pause(client)
+        future = client.add_request(served["prompts"][3], SamplingParams(
+            temperature=1.0, top_k=1, num_tokens_to_generate=MAX_TOKENS, termination_id=EOD))
+        await asyncio.sleep(2.0)
+        waited = not future.done()
+        client.unpause_engines()
+        return waited, await asyncio.wait_for(future, 60)
 
-    waited, reply = asyncio.run(go())
+    waited, reply = _with_megatron_client(server, use)
     assert waited, "a request submitted while paused was served"
-    tokens = reply["generated_tokens"] if isinstance(reply, dict) else reply.requests[-1].generated_tokens
-    assert list(tokens) == list(served["offline"][3])
+    assert list(_as_dict(reply)["generated_tokens"]) == list(served["offline"][3])
 
 
 @pytest.mark.parametrize("body, messages", [
@@ -324,10 +332,7 @@ def test_orderly_stop_both_pools_served_and_nothing_is_left(server, served):
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(60) == 0
     assert time.monotonic() - start < 60
-    deadline = time.monotonic() + 10
-    while server.alive() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert server.alive() == []
+    assert server.left_after(10) == []
     ended = [line for line in server.lines if " ended " in line]
     completed = {int(line.split("pool ")[1].split()[0]): int(line.split("): ")[1].split()[0]) for line in ended}
     assert sorted(completed) == [0, 1] and min(completed.values()) > 0, ended
@@ -336,32 +341,17 @@ def test_orderly_stop_both_pools_served_and_nothing_is_left(server, served):
 def test_megatrons_stop_ends_the_server_in_order():
     """Megatron's STOP through its coordinator (after PAUSE, as 0.17+ requires): the pool
     stops, the launcher exits 0 and no process is left."""
-    from megatron.core.inference.inference_client import InferenceClient
-
     s = Server("--nodes", "2", "--tp", "1")
     try:
-        async def go():
-            client = InferenceClient(s.info["coordinator"])
-            started = client.start()
-            if inspect.isawaitable(started):
-                await started
-            try:
-                paused = client.pause_engines()
-                if inspect.isawaitable(paused):
-                    await asyncio.wait_for(paused, 60)
-                await asyncio.sleep(0.5)
-                client.stop_engines()
-                await asyncio.sleep(1.0)  # let the signal leave before the socket closes
-            finally:
-                client.stop()
+        async def use(client):
+            await _pause(client)
+            client.stop_engines()
+            await asyncio.sleep(1.0)  # let the signal leave before the socket closes
 
-        asyncio.run(go())
+        _with_megatron_client(s, use)
         assert s.proc.wait(60) == 0, s.log()
         assert any("ended (STOP)" in line for line in s.lines), s.lines
-        deadline = time.monotonic() + 15
-        while s.alive() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert s.alive() == []
+        assert s.left_after(15) == []
     finally:
         if s.proc.poll() is None:
             s.kill()
@@ -404,10 +394,7 @@ def test_a_rank_killed_mid_decode_fails_open_requests_and_every_process_exits():
         for r in in_flight:  # (one that ended on its end token before the kill is fine)
             assert r.status_code >= 400 and "pool 0 failed" in r.text, r.text
         assert s.proc.wait(60) != 0
-        deadline = time.monotonic() + 15
-        while s.alive() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert s.alive() == []
+        assert s.left_after(15) == []
     finally:
         if s.proc.poll() is None:
             s.kill()

@@ -66,7 +66,7 @@ class InferenceEngine(abc.ABC):
     """Decode-pool engine for one rank: requests in, tokens out, in any mode.
 
     Subclasses supply :meth:`_build_executor`, the step's two sides (:meth:`_lead`,
-    :meth:`_follow`), :meth:`_steps_in_flight` and :meth:`shutdown`.
+    :meth:`_follow`), :meth:`_steps_in_flight`, :meth:`_forget_in_flight` and :meth:`shutdown`.
 
     Args:
         model: this rank's blocks (see :func:`tknp_megatron.models.model.build_stage_model`).
@@ -126,6 +126,11 @@ class InferenceEngine(abc.ABC):
     @abc.abstractmethod
     def _steps_in_flight(self) -> bool:
         """Coordinator: some queued step's tokens are not booked yet."""
+
+    @abc.abstractmethod
+    def _forget_in_flight(self) -> None:
+        """Coordinator: drop the record of steps queued but not booked (their tokens are
+        never read; :meth:`abort_all`)."""
 
     @abc.abstractmethod
     def shutdown(self) -> None:
@@ -214,14 +219,6 @@ class InferenceEngine(abc.ABC):
             ended.append(req.request_id)
         self.scheduler.drop_waiting()
         return ended
-
-    def _forget_in_flight(self) -> None:
-        """Drop the record of steps queued but not booked (their tokens are never read)."""
-
-    def idle(self) -> None:
-        """Coordinator with nothing to run: let the other ranks know the pool is alive, so
-        that their wait for the next step ends inside the collective timeout."""
-        raise NotImplementedError(f"{type(self).__name__} has no idle heartbeat")
 
     def _wait_for_arrival(self) -> None:
         """Idle until the next arrival (nothing is queued or running)."""

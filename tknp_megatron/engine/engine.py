@@ -55,6 +55,8 @@ class LockstepEngine(InferenceEngine):
         self._inflight = None
 
     def idle(self) -> None:
+        """Coordinator with nothing to run: broadcast an idle plan, so that the other
+        ranks' wait for the next plan ends inside the collective timeout (a server)."""
         self._require_coordinator("idle")
         self._broadcast([StepPlan.idle_plan(self.groups.num_nodes)])
 

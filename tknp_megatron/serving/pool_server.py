@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Tuple
 
-from tknp_megatron.engine.base import InferenceEngine
+from tknp_megatron.engine.engine import LockstepEngine
 from tknp_megatron.engine.request import RequestStatus
 from tknp_megatron.serving.coordinator_link import CoordinatorLink, Message
 from tknp_megatron.serving.megatron_types import RequestRefused, reply_item, to_engine_request
@@ -47,7 +47,8 @@ class PoolServer:
     """The engine loop of one pool's coordinator rank.
 
     Args:
-        engine: the pool's engine (this rank is its coordinator).
+        engine: the pool's engine (this rank is its coordinator); a lockstep engine, whose
+            idle plan keeps the other ranks' waits short.
         link: connection to Megatron's coordinator.
         tokenizer: Megatron's tokenizer interface (text prompts, stop words, top-n text).
         max_sequence_length: the model's limit (Megatron's default output length).
@@ -55,7 +56,7 @@ class PoolServer:
         should_stop: polled every loop turn; True stops the pool (e.g. after SIGTERM).
     """
 
-    def __init__(self, engine: InferenceEngine, link: CoordinatorLink, tokenizer,
+    def __init__(self, engine: LockstepEngine, link: CoordinatorLink, tokenizer,
                  max_sequence_length: int, idle_tick_s: float = 1.0,
                  should_stop: Callable[[], bool] = lambda: False):
         self.engine, self.link, self.tokenizer = engine, link, tokenizer
