@@ -193,9 +193,12 @@ def serve_rank(rank: int, world: int, job: ServeJob) -> None:
                 summary = server.run()
             finally:
                 link.close()
-            print(f"{PROG}: pool {summary.pool} ended ({summary.stopped_by}): "
-                  f"{summary.completed} completed, {summary.failed} failed, {summary.steps} steps",
-                  flush=True)
+            # One write per line: every pool's coordinator shares this stdout, and print()
+            # writes the text and its newline apart when Python runs unbuffered.
+            sys.stdout.write(f"{PROG}: pool {summary.pool} ended ({summary.stopped_by}): "
+                             f"{summary.completed} completed, {summary.failed} failed, "
+                             f"{summary.steps} steps\n")
+            sys.stdout.flush()
         else:
             engine.serve()
     finally:

@@ -345,7 +345,9 @@ def test_megatrons_stop_ends_the_server_in_order():
     try:
         async def use(client):
             await _pause(client)
-            client.stop_engines()
+            acked = client.stop_engines()  # 0.16 answers an awaitable of the STOP_ACK
+            if acked is not None:
+                await asyncio.wait_for(acked, 30)
             await asyncio.sleep(1.0)  # let the signal leave before the socket closes
 
         _with_megatron_client(s, use)
