@@ -54,6 +54,10 @@ def check_launch(args, shape: str, world: int) -> None:
     if "RANK" in os.environ and int(os.environ["WORLD_SIZE"]) != world:
         raise JobError(f"{shape}: their product must equal torchrun's WORLD_SIZE "
                        f"{os.environ['WORLD_SIZE']}")
+    per_host = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if "RANK" in os.environ and per_host % args.tp:
+        raise JobError(f"--tp {args.tp}: a node's TP group stays on one host, so it must divide "
+                       f"torchrun's --nproc-per-node {per_host}")
 
 
 def rank_device(args, rank: int) -> torch.device:

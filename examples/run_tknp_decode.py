@@ -60,6 +60,7 @@ from tknp_megatron.models.source import (  # noqa: E402
     ModelSource,
     SourceError,
     converted_checkpoint,
+    converted_on_each_host,
     resolve_source,
 )
 from tknp_megatron.models.tokenizer import Tokenizer  # noqa: E402
@@ -229,12 +230,8 @@ def run_torchrun(job: Job):
     rank, world = int(os.environ["RANK"]), args.nodes * args.tp
     rank_device(args, rank)  # bind the GPU before NCCL starts
     init_distributed("nccl" if args.device == "cuda" else "gloo", rank, world, args.timeout)
-    with converted_checkpoint(job.model, args.dtype, args.timeout, convert_here=rank == 0) as source:
-        box = [source]  # rank 0 converted --hf: every rank serves its checkpoint
-        object_device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else None
-        dist.broadcast_object_list(box, src=0, device=object_device)
-        report = worker(rank, world, Job(args, box[0], job.prompts, job.kv_tokens, job.eos_id))
-        dist.barrier()  # every rank is done with the checkpoint before rank 0 removes it
+    with converted_on_each_host(job.model, args.dtype, args.timeout) as source:
+        report = worker(rank, world, Job(args, source, job.prompts, job.kv_tokens, job.eos_id))
     dist.destroy_process_group()
     return report
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import json
 import os
 import signal
@@ -36,7 +37,6 @@ import warnings
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed")
@@ -56,6 +56,7 @@ from tknp_megatron.models.source import (  # noqa: E402
     ModelSource,
     SourceError,
     converted_checkpoint,
+    converted_on_each_host,
     resolve_source,
 )
 from tknp_megatron.pool_checks import pool_problems  # noqa: E402
@@ -82,7 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs")
     p.add_argument("--host", default="127.0.0.1",
-                   help="interface of the HTTP server and the coordinator (0.0.0.0: all)")
+                   help="interface of the HTTP server (0.0.0.0: all); Megatron's coordinator binds "
+                        "to this machine's host name, as Megatron's own server does")
     p.add_argument("--port", type=int, default=5000, help="HTTP port")
     p.add_argument("--coordinator-port", type=int, default=None, help="Megatron coordinator's port")
     p.add_argument("--idle-tick", type=float, default=1.0,
@@ -152,8 +154,13 @@ def serve_rank(rank: int, world: int, job: ServeJob) -> None:
     from tknp_megatron.serving.pool_server import PoolServer
 
     warnings.simplefilter("ignore")  # Megatron warns about missing Apex / TE at import
+    # Megatron's coordinator module (its engines import it) registers stack dumps on
+    # SIGTERM and SIGINT when first imported; here those signals are the orderly stop.
+    import megatron.core.inference.data_parallel_inference_coordinator  # noqa: F401
+
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
+        faulthandler.unregister(sig)
         signal.signal(sig, lambda *_: stop.set())
     args, source = job.args, job.model
     preset = source.preset
@@ -214,11 +221,8 @@ def run_torchrun(job: ServeJob) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     rank_device(args, rank)  # bind the GPU before NCCL starts
     init_distributed("nccl" if args.device == "cuda" else "gloo", rank, world, args.timeout)
-    with converted_checkpoint(job.model, args.dtype, args.timeout, convert_here=rank == 0) as source:
-        box = [source]
-        object_device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else None
-        dist.broadcast_object_list(box, src=0, device=object_device)
-        serve_rank(rank, world, ServeJob(args, box[0], job.kv_tokens))
+    with converted_on_each_host(job.model, args.dtype, args.timeout) as source:
+        serve_rank(rank, world, ServeJob(args, source, job.kv_tokens))
     dist.destroy_process_group()
     return 0
 

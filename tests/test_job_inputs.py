@@ -88,6 +88,18 @@ def test_bad_input_is_one_line_and_status_2(job, tmp_path, capsys, monkeypatch, 
     assert message.format(**files) in lines[0]
 
 
+def test_a_tp_group_spanning_hosts_is_refused(job, capsys, monkeypatch):
+    """Under torchrun a node's TP group must sit inside one host (its all-reduces stay
+    on NVLink): two hosts of one process each cannot run --tp 2."""
+    monkeypatch.setattr(job, "spawn", _no_pool)
+    for name, value in dict(RANK="0", WORLD_SIZE="4", LOCAL_WORLD_SIZE="1").items():
+        monkeypatch.setenv(name, value)
+    assert job.main(["--nodes", "2", "--tp", "2"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "run_tknp_decode.py: error: --tp 2: a node's TP group stays on one host, so it must "
+        "divide torchrun's --nproc-per-node 1")
+
+
 def _no_pool(*args, **kwargs):
     raise AssertionError("a pool was started for bad input")
 

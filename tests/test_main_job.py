@@ -7,7 +7,8 @@
     ``--model-config``; the reference loads the same checkpoint.
 (c) ``--tokenizer`` / ``--prompt``: a tiny BPE tokenizer trained in the test and a model
     from ``--model-config`` whose vocabulary is the tokenizer's; decoded ``texts``.
-(d) ``--hf``: a random tiny HF Llama folder, converted before the pool starts.
+(``--hf`` is run by tests/test_multi_host.py, converted on each of two torchrun hosts,
+and by tests/test_trained_model.py.)
 The reference is the test in every case: match_reference must be true.
 """
 
@@ -23,7 +24,6 @@ import pytest
 
 from tests.helpers import (
     load_job_module,
-    make_hf_llama,
     make_tiny_tokenizer,
     save_gpt_checkpoint,
 )
@@ -101,17 +101,6 @@ def test_tokenizer_prompts(tmp_path):
     for ids in report["outputs"]:
         assert all(0 <= i < tok.vocab_size for i in ids)
         assert tok.eos_id not in ids[:-1]  # EOS, if sampled, ended the request
-
-
-def test_hf_llama_job(tmp_path):
-    pytest.importorskip("transformers")
-    make_hf_llama(tmp_path / "hf", None)  # Llama, 3 layers, GQA 4/2, vocab 256
-    prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps([[1, 2, 3, 4], [100, 200, 5]]))
-    report = _run_job(tmp_path / "out.json", "--hf", tmp_path / "hf", "--prompts-file", prompts,
-                      "--nodes", 2, "--tp", 1, "--output-len", 5)
-    assert report["match_reference"] is True and report["completed"] == 2
-    assert report["model"] == "hf" and report["weights"].startswith("HF ")
 
 
 def test_parse_errors_fail_before_the_pool(tmp_path):

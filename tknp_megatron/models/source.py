@@ -23,7 +23,8 @@ from typing import Iterator, Optional
 
 from tknp_megatron.config import PRESETS, ModelPreset, dtype_from_name, get_preset
 
-__all__ = ["ModelSource", "SourceError", "converted_checkpoint", "resolve_source"]
+__all__ = ["ModelSource", "SourceError", "converted_checkpoint", "converted_on_each_host",
+           "resolve_source"]
 
 
 class SourceError(ValueError):
@@ -167,8 +168,8 @@ def converted_checkpoint(source: ModelSource, dtype: str, timeout_s: float,
     """``source`` with its Hugging Face folder converted into a temporary checkpoint
     (removed on exit), in a one-process pool; unchanged if it has no folder.
 
-    ``convert_here`` False (ranks other than 0 under torchrun) skips the conversion and
-    yields the source as is: the caller shares rank 0's path (ranks share a filesystem).
+    ``convert_here`` False skips the conversion and yields the source as is (the ranks
+    of a torchrun launch that read their host's conversion: :func:`converted_on_each_host`).
     """
     if source.hf is None or not convert_here:
         yield source
@@ -181,3 +182,24 @@ def converted_checkpoint(source: ModelSource, dtype: str, timeout_s: float,
             spawn(convert_worker, 1, (source.hf, path, dtype), timeout_s=timeout_s)
         rows = padded_vocab_size(source.preset, 1)  # the converter pads as Megatron does at TP 1
         yield ModelSource(source.preset, path, source.hf, rows, source.weights)
+
+
+@contextlib.contextmanager
+def converted_on_each_host(source: ModelSource, dtype: str, timeout_s: float) -> Iterator[ModelSource]:
+    """Under torchrun, with the process group up: ``source`` with its Hugging Face folder
+    converted once per host (torchrun's ``GROUP_RANK``) by the host's local rank 0, into a
+    temporary checkpoint on that host, which the host's ranks then serve. Hosts need not
+    share a filesystem; the folder must be at the same path on each. On a normal exit every
+    rank waits for the others, so no converter removes a checkpoint still being read."""
+    if source.hf is None:
+        yield source
+        return
+    import torch.distributed as dist
+
+    host, local = os.environ.get("GROUP_RANK", "0"), int(os.environ.get("LOCAL_RANK", "0"))
+    with converted_checkpoint(source, dtype, timeout_s, convert_here=local == 0) as mine:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (host, local, mine))
+        (shared,) = [s for h, rank, s in everyone if h == host and rank == 0]
+        yield shared
+        dist.barrier()

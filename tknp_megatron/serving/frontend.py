@@ -24,8 +24,10 @@ leaves nothing behind.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import inspect
 import multiprocessing as mp
+import signal
 import time
 import urllib.request
 from typing import Any, Callable, Dict, Optional
@@ -39,7 +41,6 @@ def _die_with_parent() -> None:
     """Ask Linux to kill this process when its parent dies (no-op elsewhere)."""
     try:
         import ctypes
-        import signal
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -47,7 +48,16 @@ def _die_with_parent() -> None:
 
 
 def _child(target: Callable, kwargs: Dict[str, Any]) -> None:
+    """A helper process of rank 0. Rank 0 ends it after its orderly stop (so the last
+    replies still reach their clients), or Linux does when rank 0 dies; so it ignores
+    SIGTERM and SIGINT, which launchers such as torchrun send to the whole process group.
+    Megatron's coordinator module registers stack dumps on both when first imported."""
     _die_with_parent()
+    import megatron.core.inference.data_parallel_inference_coordinator  # noqa: F401
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        faulthandler.unregister(sig)
+        signal.signal(sig, signal.SIG_IGN)
     target(**kwargs)
 
 
@@ -63,7 +73,8 @@ class Frontend:
     Args:
         num_pools: engines the coordinator waits for (one per pool).
         tokenizer: Megatron's tokenizer interface, picklable.
-        host: interface and host name for the coordinator and the HTTP server.
+        host: interface of the HTTP server. The coordinator binds where Megatron's own
+            does by default, to this machine's host name, so pools on other hosts reach it.
         coordinator_port: the coordinator's port (None: any free port).
         max_requests: requests in flight per pool (0.17+ uses it to balance load).
     """
@@ -82,7 +93,7 @@ class Frontend:
         kwargs = _accepted(entry, dict(
             pipe_connection=child, ready_event=self._ready, data_parallel_size=num_pools,
             tokenizer=tokenizer, inference_coordinator_port=coordinator_port,
-            max_requests=max_requests, hostname=host,
+            max_requests=max_requests,
         ))
         self._coordinator = ctx.Process(target=_child, args=(entry, kwargs), daemon=True)
         self._coordinator.start()
@@ -122,9 +133,9 @@ class Frontend:
     def stop(self) -> None:
         """Stop the HTTP server, then the coordinator (it holds no state of its own)."""
         if self._http is not None:
-            self._http.kill()  # as below: Megatron's modules make SIGTERM dump tracebacks
+            self._http.kill()  # it ignores SIGTERM (see _child)
             self._http.join(10)
-        self._coordinator.kill()  # Megatron's faulthandler would dump a traceback on SIGTERM
+        self._coordinator.kill()
         self._coordinator.join(10)
 
 
@@ -213,4 +224,4 @@ async def _http_main(address: str, tokenizer, host: str, port: int) -> None:
     config.keep_alive_timeout = 30.0
     config.backlog = 2**14
     config.accesslog = None
-    await serve(app, config)
+    await serve(app, config, shutdown_trigger=asyncio.Event().wait)  # no signal handlers: see _child
