@@ -162,6 +162,4 @@ def test_progress_lines_on_a_terminal_only():
     shown = _run_with_tty_stderr()
     assert "TKNP: 4/4 requests" in shown and "reference: 4/4 requests" in shown
     assert "TKNP:" not in _run_with_tty_stderr("--quiet")
-    piped = subprocess.run([sys.executable, str(JOB), "--requests", "4", "--output-len", "3"],
-                           cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert piped.returncode == 0 and "TKNP:" not in piped.stderr  # not a terminal
+    # piped stderr (not a terminal) shows none: checked on every run of tests/test_main_job.py

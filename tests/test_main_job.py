@@ -49,6 +49,7 @@ def _run_job(out: Path, *args) -> dict:
     cmd = [sys.executable, str(JOB), "--json", str(out), *map(str, args)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "TKNP:" not in proc.stderr  # progress lines only on a terminal
     return json.loads(out.read_text())
 
 
