@@ -85,6 +85,10 @@ class ArrivalQueue:
             out.append(self._pending.pop())
         return out
 
+    def next_time(self) -> Optional[float]:
+        """When the next arrival is due (the clock's time), or None if none is left."""
+        return self.t0 + self._pending[-1].time_s if self._pending else None
+
     def sleep_until_next(self) -> None:
         if self._pending:
             time.sleep(max(0.0, self.t0 + self._pending[-1].time_s - self.clock()))

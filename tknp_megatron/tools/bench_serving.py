@@ -27,40 +27,24 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tknp_megatron.config import dtype_from_name, get_preset  # noqa: E402
+from tknp_megatron.analysis.bench_traces import add_trace_flags, mode_runs, traces  # noqa: E402
+from tknp_megatron.config import dtype_from_name  # noqa: E402
 from tknp_megatron.launch import run_ranks  # noqa: E402
 from tknp_megatron.mode import Mode  # noqa: E402
 
-MODES = tuple(m.value for m in (Mode.TKNP, Mode.DP, Mode.TP, Mode.PP, Mode.DCP))
-EXTRA_MODES = (Mode.TKNP_DUAL.value,)  # on request: dual-active-root microbatching
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES + EXTRA_MODES)
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--layers", type=int, default=None, help="stack this many of the preset's layers")
-    p.add_argument("--dcp-kv-heads", type=int, default=1)
-    p.add_argument("--tp", type=int, default=1, help="ranks per node (TKNP, DP, PP)")
-    p.add_argument("--contexts", type=int, nargs="+", default=[64])
-    p.add_argument("--batches", type=int, nargs="*", default=[4, 8],
-                   help="offered batches of the fixed-length traces (none: mixed traces only)")
-    p.add_argument("--output-len", type=int, default=8)
-    p.add_argument("--rates", type=float, nargs="*", default=[],
-                   help="Poisson arrival rates (req/s) for the mixed-length trace")
-    p.add_argument("--mixed-requests", type=int, default=0, help="requests in the mixed trace")
-    p.add_argument("--mixed-scale", type=float, default=1.0 / 256)
-    p.add_argument("--burst", action="store_true", help="also the mixed trace as one burst")
+    add_trace_flags(p)
     p.add_argument("--gpu-memory-gib", type=float, default=None, help="per-GPU memory cap")
     p.add_argument("--kv-tokens-per-node", type=int, default=None,
                    help="KV budget per node (CPU default: half the largest trace's reservations; "
                         "GPU default: free memory)")
-    p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--cuda-graphs", action="store_true")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--dtype", default=None)
     p.add_argument("--world", type=int, default=2, help="processes when not under torchrun")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_serving_out")
     p.add_argument("--report-only", action="store_true",
                    help="rebuild the table, CSV/JSON and plots from --out's partial.jsonl")
@@ -78,33 +62,7 @@ def default_cpu_kv_budget(args) -> int:
 
     nodes = max(1, args.world // args.tp)
     return max(waves_budget([r.prompt_len + r.output_len for r in trace.requests], nodes, args.block_size)
-               for _, _, _, trace in _traces(args))
-
-
-def _traces(args):
-    from tknp_megatron.analysis import workload as wl
-
-    for ctx in args.contexts:
-        for batch in args.batches:
-            yield ctx, batch, None, wl.fixed_length(batch, ctx, args.output_len, args.seed)
-    if args.mixed_requests:
-        base = wl.mixed_length(args.mixed_requests, args.seed, args.mixed_scale, args.output_len)
-        for rate in args.rates:
-            yield 0, args.mixed_requests, rate, wl.with_poisson_arrivals(base, rate, args.seed)
-        if args.burst:
-            yield 0, args.mixed_requests, float("inf"), wl.as_burst(base)
-
-
-def _runs(args):
-    """(label, mode, preset) for every requested mode."""
-    preset = get_preset(args.model)
-    if args.layers:
-        preset = preset.replace(num_layers=args.layers)
-    mqa = preset.replace(num_query_groups=args.dcp_kv_heads)
-    out = [(m, m, preset) for m in args.modes if m != "dcp"]
-    if "dcp" in args.modes:
-        out += [("dcp", "dcp", mqa), ("tknp-mqa", "tknp", mqa)]
-    return out
+               for _, _, _, trace in traces(args))
 
 
 def worker(rank, world, args):
@@ -119,8 +77,8 @@ def worker(rank, world, args):
                           gpu_memory_cap_gib=args.gpu_memory_gib, cuda_graphs=args.cuda_graphs,
                           max_prefill_tokens=1 << 30)
     rows = []
-    for ctx, batch, rate, trace in _traces(args):
-        for label, mode, preset in _runs(args):
+    for ctx, batch, rate, trace in traces(args):
+        for label, mode, preset in mode_runs(args):
             run = run_mode(Mode(mode), preset, trace, config, args.tp,
                            dtype_from_name(args.dtype), device, args.seed)
             if rank == 0:

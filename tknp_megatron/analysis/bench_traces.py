@@ -1,0 +1,69 @@
+"""The traces and model variants of a side-by-side run, shared by the serving benchmark
+(``tools/bench_serving.py``, measured) and the pool simulator (``tools/simulate_pool.py``,
+predicted), so that a simulated row is the measured row's exact trace.
+
+Fixed-length traces for every ``--contexts`` x ``--batches``; with ``--mixed-requests``, the
+mixed-length trace under Poisson arrivals at each ``--rates`` and, with ``--burst``, all at
+once. DCP needs more ranks than KV heads, so it runs on a variant with ``--dcp-kv-heads``
+KV heads, and TKNP on that variant too (``tknp-mqa``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Iterator, List, Optional, Tuple
+
+from tknp_megatron.analysis import workload as wl
+from tknp_megatron.config import ModelPreset, get_preset
+from tknp_megatron.mode import Mode
+
+__all__ = ["MODES", "EXTRA_MODES", "add_trace_flags", "mode_runs", "traces"]
+
+MODES = tuple(m.value for m in (Mode.TKNP, Mode.DP, Mode.TP, Mode.PP, Mode.DCP))
+EXTRA_MODES = (Mode.TKNP_DUAL.value,)  # on request: dual-active-root microbatching
+
+
+def add_trace_flags(p: argparse.ArgumentParser, modes: Tuple[str, ...] = MODES + EXTRA_MODES) -> None:
+    """The model, mode and trace flags both tools take."""
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=modes)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--layers", type=int, default=None, help="stack this many of the preset's layers")
+    p.add_argument("--dcp-kv-heads", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1, help="ranks per node (TKNP, DP, PP)")
+    p.add_argument("--contexts", type=int, nargs="+", default=[64])
+    p.add_argument("--batches", type=int, nargs="*", default=[4, 8],
+                   help="offered batches of the fixed-length traces (none: mixed traces only)")
+    p.add_argument("--output-len", type=int, default=8)
+    p.add_argument("--rates", type=float, nargs="*", default=[],
+                   help="Poisson arrival rates (req/s) for the mixed-length trace")
+    p.add_argument("--mixed-requests", type=int, default=0, help="requests in the mixed trace")
+    p.add_argument("--mixed-scale", type=float, default=1.0 / 256)
+    p.add_argument("--burst", action="store_true", help="also the mixed trace as one burst")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def traces(args) -> Iterator[Tuple[int, int, Optional[float], wl.Workload]]:
+    """``(context, offered batch, arrival rate, trace)``: context 0 and the request count
+    for the mixed trace, rate None for the fixed-length ones and inf for the burst."""
+    for ctx in args.contexts:
+        for batch in args.batches:
+            yield ctx, batch, None, wl.fixed_length(batch, ctx, args.output_len, args.seed)
+    if args.mixed_requests:
+        base = wl.mixed_length(args.mixed_requests, args.seed, args.mixed_scale, args.output_len)
+        for rate in args.rates:
+            yield 0, args.mixed_requests, rate, wl.with_poisson_arrivals(base, rate, args.seed)
+        if args.burst:
+            yield 0, args.mixed_requests, float("inf"), wl.as_burst(base)
+
+
+def mode_runs(args) -> List[Tuple[str, str, ModelPreset]]:
+    """``(label, mode, preset)`` for every requested mode (``dcp`` adds ``tknp-mqa``)."""
+    preset = get_preset(args.model)
+    if args.layers:
+        preset = preset.replace(num_layers=args.layers)
+    mqa = preset.replace(num_query_groups=args.dcp_kv_heads)
+    out = [(m, m, preset) for m in args.modes if m != "dcp"]
+    if "dcp" in args.modes:
+        out += [("dcp", "dcp", mqa), ("tknp-mqa", "tknp", mqa)]
+    return out

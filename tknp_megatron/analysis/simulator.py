@@ -1,0 +1,238 @@
+"""A decode pool simulated in one process: the engine's own code, the roofline's step times.
+
+:class:`SimulatedPool` is a :class:`~tknp_megatron.engine.engine.LockstepEngine` whose
+executor computes nothing. Queueing, admission in capacity waves, block accounting, plan
+building, booking and the serving metrics are the engine's code, unchanged; only the
+time of a step comes from a model: :func:`~tknp_megatron.analysis.roofline.predicted_step_s`
+for the step's batch and the KV its busiest owner reads, times the mode's *implementation
+factor* (measured step time over the roofline's on the H200, :class:`Calibration`), charged
+to a virtual clock. Prompts' KV arrives from outside, as in the serving benchmarks; its
+write is charged at the KV bandwidth.
+
+One process plays the pool's coordinator; the other ranks exist only in the step time.
+DP runs one simulated pool per replica (requests round-robin by id, as the benchmarks
+route them) and merges their timelines. Dual active roots are not simulated yet.
+
+Known skew: the engine books step n after queuing step n + 1, and the executor advances
+the clock when a step is queued, so each token's timestamp is one step late (completion
+times by one step in a request's whole run).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Sequence
+
+import torch
+
+from parallel_state import TokenParallelGroups
+from tknp_megatron.analysis.metrics import ServingMetrics, summarize
+from tknp_megatron.analysis.roofline import H200, Hardware, predicted_step_s
+from tknp_megatron.analysis.workload import Workload
+from tknp_megatron.config import ModelPreset
+from tknp_megatron.engine.base import BuiltExecutor
+from tknp_megatron.engine.config import EngineConfig
+from tknp_megatron.engine.engine import LockstepEngine
+from tknp_megatron.engine.intake import Arrival
+from tknp_megatron.executor.base import StepOutput
+from tknp_megatron.mode import Mode
+from tknp_megatron.plan import StepPlan
+from tknp_megatron.sampling import SamplingParams
+
+__all__ = ["Calibration", "H200_CALIBRATION", "SimClock", "SimRun", "SimulatedPool", "simulate"]
+
+SIMULATED = (Mode.TKNP, Mode.DP, Mode.TP, Mode.PP, Mode.DCP)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Per mode: measured step time over the roofline's (1.0: the roofline itself).
+
+    Attributes:
+        factors: mode value -> factor.
+        source: where the factors were measured.
+    """
+
+    factors: Dict[str, float] = field(default_factory=dict)
+    source: str = "none: the roofline's step times"
+
+    def factor(self, mode: Mode) -> float:
+        return self.factors.get(Mode(mode).value, 1.0)
+
+
+# Medians of ``measured_over_predicted`` over the rows of
+# benchmarks/headline_h200x2/serving_x2_ctx32k_run2 (TKNP, DP, TP: CUDA graphs, overlapped
+# scheduling) and, for PP and DCP (eager), of benchmarks/headline_h200x2/serving_x2_ctx64k_mixed's
+# fixed-length rows: Llama-3.1-70B geometry, 12 layers, H200 x2, 2026-11.
+H200_CALIBRATION = Calibration(
+    factors={"tknp": 1.23, "dp": 1.295, "tp": 1.385, "pp": 2.58, "dcp": 10.46},
+    source="H200 x2, benchmarks/headline_h200x2 (serving_x2_ctx32k_run2, serving_x2_ctx64k_mixed)",
+)
+
+
+class SimClock:
+    """Virtual seconds, advanced by the simulated steps and by waits for arrivals."""
+
+    def __init__(self):
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+    def advance(self, seconds: float) -> None:
+        self.now_s += max(0.0, seconds)
+
+    def advance_to(self, t: float) -> None:
+        self.now_s = max(self.now_s, t)
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """A step's seconds from its plan: the roofline over the plan's layout, times the
+    mode's factor, plus the write of admitted prompts' KV on the busiest owner.
+
+    Attributes:
+        mode: the pool's mode.
+        preset: the model.
+        world: GPUs of this pool (one replica's for DP).
+        tp: GPUs per node.
+        hw: per-op costs.
+        factor: implementation factor (:class:`Calibration`).
+    """
+
+    mode: Mode
+    preset: ModelPreset
+    world: int
+    tp: int
+    hw: Hardware = H200
+    factor: float = 1.0
+
+    def kv_bytes_per_token(self) -> float:
+        """K and V of every layer and KV head, bf16, of one token (the whole pool's copy)."""
+        p = self.preset
+        return 2 * 2 * p.num_layers * p.num_query_groups * p.kv_channels
+
+    def seconds(self, plan: StepPlan, num_nodes: int) -> float:
+        rows = plan.num_requests
+        cached = (plan.per_request.start_pos + plan.per_request.q_lens).tolist()
+        per_node = [sum(cached[slice(*plan.request_range(n))]) for n in range(num_nodes)]
+        ingest = [0] * num_nodes
+        for adm in plan.admissions:
+            ingest[adm.owner] += adm.ingest_len
+        write = max(ingest) * self.kv_bytes_per_token() / self.tp  # a node's GPUs split it
+        if not rows:
+            return write / self.hw.kv_bw
+        context = max(per_node) * num_nodes / rows  # the busiest owner bounds attention
+        step = predicted_step_s(self.mode.value, self.preset, self.world, self.tp, rows, context, self.hw)
+        return self.factor * step + write / self.hw.kv_bw
+
+
+class _TimedExecutor:
+    """An :class:`~tknp_megatron.executor.base.Executor` that charges each plan's modelled
+    time to the clock and returns a token that ends no request early (id 0)."""
+
+    def __init__(self, model: StepModel, clock: SimClock, num_nodes: int):
+        self.model, self.clock, self.num_nodes = model, clock, num_nodes
+
+    def apply_admissions(self, admissions) -> None:
+        pass  # no KV is stored: the blocks are the scheduler's books
+
+    def execute(self, plan: StepPlan, timer=None) -> StepOutput:
+        self.clock.advance(self.model.seconds(plan, self.num_nodes))
+        return StepOutput(torch.zeros(plan.num_requests, dtype=torch.long))
+
+    def enable_cuda_graphs(self) -> None:
+        pass  # the factor already says how the measured engine ran
+
+
+class SimulatedPool(LockstepEngine):
+    """A pool's coordinator alone, its steps timed by ``model`` on ``clock``.
+
+    Args:
+        preset: the model.
+        block_counts: KV blocks of each owning node (``kv_capacity_tokens / block_size``).
+        config: the engine's knobs (block size, request slots, prefill budget).
+        model: step times.
+        clock: the virtual clock every request timeline uses.
+    """
+
+    def __init__(self, preset: ModelPreset, block_counts: Sequence[int], config: EngineConfig,
+                 model: StepModel, clock: SimClock):
+        self._sim = (tuple(block_counts), model, clock)
+        groups = TokenParallelGroups(num_nodes=len(block_counts), tp_size=1, node=0, tp_rank=0,
+                                     tp_group=None, tknp_group=None)
+        super().__init__(None, preset, None, groups, config, torch.device("cpu"), clock=clock)
+
+    def _build_executor(self, model) -> BuiltExecutor:
+        counts, step_model, clock = self._sim
+        return BuiltExecutor(_TimedExecutor(step_model, clock, len(counts)), None, counts)
+
+    def _broadcast(self, box: list) -> None:
+        pass  # no other rank: the plan's work is in the step time
+
+    def _send_ingested_kv(self, plan: StepPlan) -> None:
+        pass  # the write is in the step time
+
+    def _wait_for_arrival(self) -> None:
+        """Idle: jump the clock to the next arrival."""
+        nxt = self._arrivals.next_time()
+        if nxt is not None:
+            self._sim[2].advance_to(nxt)
+        self._release_due()
+
+
+@dataclass(frozen=True)
+class SimRun:
+    """A simulated mode on one workload.
+
+    Attributes:
+        mode: the mode.
+        metrics: serving metrics over every replica's requests.
+        resident_batch_mean: requests resident per step, summed over replicas.
+        kv_capacity_tokens: per replica, per owning node.
+        steps: booked steps (the most of any replica).
+    """
+
+    mode: Mode
+    metrics: ServingMetrics
+    resident_batch_mean: float
+    kv_capacity_tokens: tuple
+    steps: int
+
+
+def _arrivals(workload: Workload, pool: int, pools: int) -> List[Arrival]:
+    """This replica's share of the trace (round-robin by id), KV arriving from outside."""
+    return [Arrival(r.arrival_s, (0,) * r.prompt_len, SamplingParams(max_new_tokens=r.output_len),
+                    r.request_id, synthetic_kv=r.request_id)
+            for r in workload.requests if r.request_id % pools == pool]
+
+
+def simulate(mode: Mode, preset: ModelPreset, world: int, tp: int, workload: Workload,
+             kv_tokens_per_node: int, *, block_size: int = 16, max_requests_per_node: int = 256,
+             hw: Hardware = H200, calibration: Calibration = H200_CALIBRATION,
+             max_prefill_tokens: int = 1 << 30) -> SimRun:
+    """Replay ``workload`` on ``mode`` over ``world`` GPUs (``tp`` per node) whose every
+    owning node holds ``kv_tokens_per_node`` KV tokens; see the module docstring."""
+    mode = Mode(mode)
+    if mode not in SIMULATED:
+        raise ValueError(f"--mode {mode.value}: the simulator runs {[m.value for m in SIMULATED]}")
+    pools, nodes, t = mode.pool_shape(world, tp)
+    owners = nodes if mode is Mode.TKNP else 1  # PP's stages and DCP's ranks share one budget
+    config = EngineConfig(block_size=block_size, kv_tokens_per_node=kv_tokens_per_node,
+                          max_requests_per_node=max_requests_per_node,
+                          max_prefill_tokens=max_prefill_tokens)
+    pool_world = world // pools
+    model = StepModel(mode, preset, pool_world, t, hw, calibration.factor(mode))
+    timelines, resident, capacity, steps, waves = [], 0.0, [], 0, 0
+    for pool in range(pools):
+        clock = SimClock()
+        engine = SimulatedPool(preset, [kv_tokens_per_node // block_size] * owners, config, model, clock)
+        engine.release_trace(_arrivals(workload, pool, pools), 0.0)
+        engine.run_until_done()
+        timelines += [r.timeline for r in engine.requests.values()]
+        resident += engine.mean_resident
+        capacity.append(tuple(engine.kv_capacity_tokens))
+        steps = max(steps, engine.resident_steps)
+        waves = max(waves, engine.scheduler.waves)
+    return SimRun(mode, summarize(timelines, waves), resident, tuple(capacity), steps)
+

@@ -1,0 +1,137 @@
+"""Predict a decode pool's serving metrics without GPUs: the engine's scheduler on a trace,
+each step timed by the calibrated roofline (:mod:`tknp_megatron.analysis.simulator`).
+
+Every mode on the same traces as ``tools/bench_serving.py`` (same flags), one table::
+
+    python -m tknp_megatron.tools.simulate_pool --model llama3.1-70b --layers 12 --world 2 \\
+        --kv-tokens-per-node 504192 --contexts 32768 --batches 128 64 --output-len 256
+
+``--replay DIR`` instead rebuilds each row of a measured ``bench_serving`` run (its
+``results.json``, the traces from the same flags as that run, each row's own KV capacity)
+and prints the prediction next to the measurement. ``--json`` writes the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import warnings
+from pathlib import Path
+
+from tknp_megatron.analysis.bench_traces import add_trace_flags, mode_runs, traces
+from tknp_megatron.analysis.simulator import H200_CALIBRATION, SIMULATED, Calibration, simulate
+
+PROG = "simulate_pool.py"
+MODES = tuple(m.value for m in SIMULATED)
+
+
+class FlagError(ValueError):
+    """A flag that cannot be simulated; one line for the user."""
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    add_trace_flags(p, MODES)
+    p.add_argument("--world", type=int, default=2, help="GPUs in the pool (TKNP: nodes x --tp)")
+    p.add_argument("--kv-tokens-per-node", type=int, default=None,
+                   help="KV tokens each owning node holds (DP: each replica; TP, PP, DCP: the pool)")
+    p.add_argument("--max-requests-per-node", type=int, default=256)
+    p.add_argument("--calibration", choices=("h200", "none"), default="h200",
+                   help="h200: the measured implementation factors; none: the bare roofline")
+    p.add_argument("--replay", default=None, help="a bench_serving --out folder to predict row by row")
+    p.add_argument("--json", default=None, help="write the rows here")
+    return p.parse_args(argv)
+
+
+def check(args) -> None:
+    """Every problem with the flags, before anything runs."""
+    problems = []
+    for flag, value in (("--world", args.world), ("--tp", args.tp), ("--output-len", args.output_len),
+                        ("--block-size", args.block_size)):
+        if value < 1:
+            problems.append(f"{flag} {value}: must be at least 1")
+    if args.world >= 1 and args.tp >= 1 and args.world % args.tp:
+        problems.append(f"--tp {args.tp}: must divide --world {args.world}")
+    if args.replay is None and args.kv_tokens_per_node is None:
+        problems.append("--kv-tokens-per-node: required (or --replay a measured run)")
+    if args.kv_tokens_per_node is not None and args.kv_tokens_per_node < args.block_size:
+        problems.append(f"--kv-tokens-per-node {args.kv_tokens_per_node}: must hold at least one "
+                        f"block of {args.block_size}")
+    if args.replay is not None and not (Path(args.replay) / "results.json").is_file():
+        problems.append(f"--replay {args.replay}: no results.json there")
+    if problems:
+        raise FlagError("; ".join(problems))
+
+
+def _measured(args) -> dict:
+    """``(mode label, context, batch, rate) -> row`` of the replayed run."""
+    rows = json.loads((Path(args.replay) / "results.json").read_text())["rows"]
+    return {(r["mode"].lower(), r["context"], r["offered_batch"], r["arrival_rate"]): r for r in rows}
+
+
+def run(args) -> list:
+    calibration = H200_CALIBRATION if args.calibration == "h200" else Calibration()
+    measured = _measured(args) if args.replay else None
+    rows = []
+    for ctx, batch, rate, trace in traces(args):
+        for label, mode, preset in mode_runs(args):
+            key = (label, ctx, batch, None if rate is None else rate)
+            row = measured.get(key) if measured is not None else None
+            if measured is not None and row is None:
+                continue  # the measured run has no such row (cut short)
+            capacity = args.kv_tokens_per_node if row is None else min(row["kv_capacity_tokens"][0])
+            sim = simulate(mode, preset, args.world, args.tp, trace, capacity,
+                           block_size=args.block_size, max_requests_per_node=args.max_requests_per_node,
+                           calibration=calibration)
+            m = sim.metrics
+            out = dict(mode=label.upper(), context=ctx, offered_batch=batch, arrival_rate=rate,
+                       kv_tokens_per_node=capacity, waves=m.waves,
+                       completion_throughput_tok_s=m.completion_throughput_tok_s,
+                       queue_wait_s_mean=m.queue_wait_s_mean, itl_s_p50=m.itl_s_p50,
+                       completion_time_s_mean=m.completion_time_s_mean,
+                       resident_batch_mean=sim.resident_batch_mean)
+            if row is not None:
+                out.update(measured_tok_s=row["completion_throughput_tok_s"], measured_waves=row["waves"],
+                           predicted_over_measured=m.completion_throughput_tok_s
+                           / row["completion_throughput_tok_s"])
+            rows.append(out)
+    return rows
+
+
+def _json_safe(rows: list) -> list:
+    return [{k: (None if isinstance(v, float) and not math.isfinite(v) and k != "arrival_rate" else v)
+             for k, v in r.items()} for r in rows]
+
+
+def print_table(rows: list, calibration: str) -> None:
+    print(f"{'mode':>9} {'ctx':>6} {'batch':>5} {'rate':>6} {'tok/s':>8} {'waves':>5} {'queue_s':>8} "
+          f"{'itl_ms':>7} {'compl_s':>8} {'measured':>8} {'m.waves':>7} {'pred/meas':>9}")
+    for r in rows:
+        meas = r.get("measured_tok_s")
+        print(f"{r['mode']:>9} {r['context']:>6} {r['offered_batch']:>5} {str(r['arrival_rate']):>6} "
+              f"{r['completion_throughput_tok_s']:>8.1f} {r['waves']:>5} {r['queue_wait_s_mean']:>8.3f} "
+              f"{1e3 * r['itl_s_p50']:>7.2f} {r['completion_time_s_mean']:>8.3f} "
+              f"{'' if meas is None else format(meas, '.1f'):>8} {r.get('measured_waves', ''):>7} "
+              f"{'' if meas is None else format(r['predicted_over_measured'], '.3f'):>9}")
+    print(f"step times: roofline x implementation factor ({calibration})")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        check(args)
+    except FlagError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    warnings.simplefilter("ignore")  # Megatron warns about missing Apex / TE at import
+    rows = run(args)
+    print_table(rows, H200_CALIBRATION.source if args.calibration == "h200" else "bare roofline")
+    if args.json:
+        Path(args.json).write_text(json.dumps(_json_safe(rows), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
