@@ -57,3 +57,27 @@ def test_tp_replicates_kv_past_the_kv_heads_and_dcp_does_not():
 def test_unknown_mode_is_an_error():
     with pytest.raises(ValueError, match="unknown mode"):
         predicted_step_s("ep", L70, 2, 1, 8, 1024)
+
+
+def test_across_hosts_the_network_is_paid():
+    """The network constants reproduce the paper's Figure 4 (at B=128 on Llama 3.1 405B an
+    all-reduce over 64 GPUs costs 6.5x one over a host's 8); a pool wider than a host pays
+    them, the same pool inside one NVLink domain does not."""
+    import dataclasses
+
+    from tknp_megatron.analysis.roofline import _allreduce_s
+
+    l405 = get_preset("llama3.1-405b")
+    assert _allreduce_s(H200, 128, l405, 64) / _allreduce_s(H200, 128, l405, 8) == pytest.approx(6.5, rel=0.01)
+    one_domain = dataclasses.replace(H200, gpus_per_host=64)
+    for mode in ("tknp", "tp", "pp", "dcp"):
+        assert predicted_step_s(mode, l405, 32, 8, 128, 32768) > predicted_step_s(
+            mode, l405, 32, 8, 128, 32768, one_domain), mode
+    assert predicted_step_s("dp", l405, 32, 8, 128, 32768) == predicted_step_s(
+        "dp", l405, 32, 8, 128, 32768, one_domain)  # replicas never leave their host
+
+
+def test_fp8_weights_halve_the_dense_time():
+    p = L70.replace(num_layers=8)
+    bf16, fp8 = (predicted_step_s("dp", p, 1, 1, 64, 0, weight_elem=e) for e in (2.0, 1.0))
+    assert bf16 - fp8 == pytest.approx(8 * 478e-6 / 2)  # the logits layer stays BF16

@@ -76,3 +76,28 @@ def test_bad_flags_are_one_line(argv, message, capsys):
     assert simulate_pool.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("simulate_pool.py: error: ") and message in err[0]
+
+
+def test_capacity_per_owner_from_the_capacity_model():
+    """The paper's 405B node (454 GiB of weights, 106 GiB of DP KV) on 4 nodes: a DP replica
+    holds 106 GiB, a TKNP node (4 x 560 - 454) / 4 GiB, DCP's one pool all of that."""
+    from tknp_megatron.analysis.costmodel import budget_from_measurement
+    from tknp_megatron.analysis.simulator import kv_tokens_per_owner
+
+    l405 = get_preset("llama3.1-405b")
+    per_token = 2 * 2 * 126 * 8 * 128
+    budget = budget_from_measurement(454.0, 106.0, 8, 8)
+    assert kv_tokens_per_owner("dp", l405, 4, budget) == int(106 * 2**30 // per_token)
+    assert kv_tokens_per_owner("tknp", l405, 4, budget) == int((4 * 560 - 454) / 4 * 2**30 // per_token)
+    assert kv_tokens_per_owner("dcp", l405, 4, budget) == int((4 * 560 - 454) * 2**30 // per_token)
+
+
+def test_paper_headlines_table(tmp_path, capsys):
+    from tknp_megatron.analysis.paper_figures import HEADLINES
+
+    assert simulate_pool.main(["--paper", "--paper-batches", "8", "--json", str(tmp_path / "p.json")]) == 0
+    rows = json.loads((tmp_path / "p.json").read_text())
+    assert [(r["what"], r["paper"], r["batch"]) for r in rows] == [(h.what, h.paper, 8) for h in HEADLINES]
+    assert all(0 < r["predicted"] < 10 for r in rows)
+    out = capsys.readouterr().out
+    assert all(h.what in out for h in HEADLINES)

@@ -10,6 +10,13 @@ shapes and TP slices), KV is read at 4.3 TB/s, an all-reduce of
 bytes / 336 GB/s per direction. Benchmarks report measured / predicted per mode, so an
 implementation gap is told apart from the physics.
 
+Across hosts (a pool wider than ``Hardware.gpus_per_host``) a transfer or collective
+that leaves the host runs at the per-GPU network rate instead (``net_s`` + bytes /
+``net_bw``): TKNP's root <-> owner exchange, TP's and DCP's all-reduces (and DCP's query
+gather and partial-output merge, whose bytes count there), PP's stage handoffs. Within a
+host the model is as calibrated above. ``weight_elem`` is bytes per linear weight (1 for
+FP8-stored weights: decode GEMMs read their weights, so they take half the time).
+
 ``tknp-dual`` models :mod:`tknp_megatron.executor.dual_root`'s schedule: per layer two half-phases,
 each bounded by a root running one microbatch's dense work plus its own owner share of
 the other microbatch's attention. With dense cost nearly flat in the batch this is
@@ -24,7 +31,7 @@ from dataclasses import dataclass
 
 from tknp_megatron.config import ModelPreset
 
-__all__ = ["Hardware", "H200", "dense_gemm_s", "predicted_step_s"]
+__all__ = ["Hardware", "H100", "H200", "dense_gemm_s", "predicted_step_s"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,10 @@ class Hardware:
         link_bw: bytes/s between GPUs (NVLink, one direction).
         collective_s: fixed latency of an all-reduce.
         p2p_s: fixed latency of a graphed point-to-point exchange.
+        gpus_per_host: GPUs joined by NVLink (one host).
+        net_bw: bytes/s per GPU between hosts (one direction).
+        net_s: fixed latency of a transfer or collective between hosts.
+        name: for tables.
     """
 
     dense_rows: tuple = (32, 64, 128)
@@ -48,9 +59,24 @@ class Hardware:
     link_bw: float = 336e9
     collective_s: float = 20e-6
     p2p_s: float = 21e-6
+    # The paper's hosts: 8 GPUs, one 400 Gb/s InfiniBand NIC per GPU (section 5.1). The
+    # rate and latency are fitted to its Figure 4: at batch 128 on Llama 3.1 405B one
+    # all-reduce over 64 GPUs (8 hosts) costs 6.5x one over the 8 GPUs of a host; with
+    # this model's intra-host all-reduce (41.8 us) that is 272 us = 25 us + 8.26 MB / 33.4 GB/s,
+    # about two thirds of the NIC's 50 GB/s.
+    gpus_per_host: int = 8
+    net_bw: float = 33.4e9
+    net_s: float = 25e-6
+    name: str = "H200"
 
 
 H200 = Hardware()
+
+# H100 SXM: NVLink 4 as on the H200, HBM3 at 3.35 TB/s against the H200's 4.8 TB/s
+# (NVIDIA's data sheets). Decode GEMMs and attention read memory, so both H200
+# calibrations scale by that ratio; nothing here was measured on an H100.
+_HBM = 3.35 / 4.8
+H100 = Hardware(dense_s=tuple(t / _HBM for t in H200.dense_s), kv_bw=H200.kv_bw * _HBM, name="H100")
 
 
 def dense_gemm_s(hw: Hardware, rows: float, weight_bytes: float) -> float:
@@ -79,9 +105,16 @@ def _kv_bytes(preset: ModelPreset, tokens: float, kv_heads: float, elem: int = 2
 
 
 def _allreduce_s(hw: Hardware, rows: float, preset: ModelPreset, ranks: int) -> float:
+    """All-reduce of a [rows, D] bf16 activation over ``ranks`` GPUs (ring volume)."""
     if ranks <= 1:
         return 0.0
-    return hw.collective_s + 2 * rows * preset.hidden_size * 2 * (ranks - 1) / ranks / hw.link_bw
+    fixed, bw = (hw.collective_s, hw.link_bw) if ranks <= hw.gpus_per_host else (hw.net_s, hw.net_bw)
+    return fixed + 2 * rows * preset.hidden_size * 2 * (ranks - 1) / ranks / bw
+
+
+def _p2p_s(hw: Hardware, nbytes: float, across_hosts: bool) -> float:
+    """One point-to-point transfer of ``nbytes`` per GPU."""
+    return hw.net_s + nbytes / hw.net_bw if across_hosts else hw.p2p_s + nbytes / hw.link_bw
 
 
 def _logits_s(hw: Hardware, preset: ModelPreset, rows: float, tp: int) -> float:
@@ -96,6 +129,7 @@ def predicted_step_s(
     batch: float,
     context: float,
     hw: Hardware = H200,
+    weight_elem: float = 2.0,
 ) -> float:
     """Seconds for one decode step of ``batch`` resident requests at ``context`` tokens.
 
@@ -104,12 +138,13 @@ def predicted_step_s(
     step is the time for every resident request to get one token in steady state.
     """
     L, hkv = preset.num_layers, preset.num_query_groups
-    w = _layer_weight_bytes(preset)
+    w = _layer_weight_bytes(preset, weight_elem)
     nodes = world // tp
+    across = world > hw.gpus_per_host
     if mode == "tknp":
         per_owner = batch / nodes
-        exch = 2 * (hw.p2p_s + per_owner * (preset.qkv_width + preset.num_attention_heads
-                                             * preset.kv_channels) * 2 / tp / hw.link_bw)
+        exch = 2 * _p2p_s(hw, per_owner * (preset.qkv_width + preset.num_attention_heads
+                                           * preset.kv_channels) * 2 / tp, across)
         layer = (dense_gemm_s(hw, batch, w / tp) + 2 * _allreduce_s(hw, batch, preset, tp)
                  + _kv_bytes(preset, per_owner * context, hkv / tp) / hw.kv_bw
                  + (exch if nodes > 1 else 0.0))
@@ -118,8 +153,8 @@ def predicted_step_s(
         # two microbatches half a layer apart: per half-phase the busiest node is a root
         # running one microbatch's dense work and its own share of the other's attention
         per_owner = batch / (2 * nodes)
-        exch = 2 * (hw.p2p_s + per_owner * (preset.qkv_width + preset.num_attention_heads
-                                             * preset.kv_channels) * 2 / tp / hw.link_bw)
+        exch = 2 * _p2p_s(hw, per_owner * (preset.qkv_width + preset.num_attention_heads
+                                           * preset.kv_channels) * 2 / tp, across)
         half = (dense_gemm_s(hw, batch / 2, w / tp) + 2 * _allreduce_s(hw, batch / 2, preset, tp)
                 + _kv_bytes(preset, per_owner * context, hkv / tp) / hw.kv_bw + exch)
         return L * 2 * half + 2 * _logits_s(hw, preset, batch / 2, tp)
@@ -132,12 +167,13 @@ def predicted_step_s(
         heads = hkv / world if mode == "dcp" or world <= hkv else 1.0  # TP replicates past Hkv
         layer = (dense_gemm_s(hw, batch, w / world) + 2 * _allreduce_s(hw, batch, preset, world)
                  + _kv_bytes(preset, batch * context, heads) / hw.kv_bw)
-        if mode == "dcp":
-            layer += 2 * hw.collective_s  # query all-gather and partial-output merge
+        if mode == "dcp":  # query all-gather and partial-output merge
+            layer += 2 * (_allreduce_s(hw, batch, preset, world) if across else hw.collective_s)
         return L * layer + _logits_s(hw, preset, batch, world)
     if mode == "pp":
         mb = batch / nodes  # about N microbatches; each stage runs L/N layers per microbatch
         layer = (dense_gemm_s(hw, mb, w / tp) + 2 * _allreduce_s(hw, mb, preset, tp)
                  + _kv_bytes(preset, mb * context, hkv / tp) / hw.kv_bw)
-        return nodes * (L / nodes) * layer + _logits_s(hw, preset, batch, tp)
+        handoffs = nodes * _p2p_s(hw, mb * preset.hidden_size * 2 / tp, True) if across else 0.0
+        return nodes * (L / nodes) * layer + handoffs + _logits_s(hw, preset, batch, tp)
     raise ValueError(f"unknown mode {mode!r}")

@@ -26,6 +26,7 @@ from typing import Dict, List, Sequence
 import torch
 
 from parallel_state import TokenParallelGroups
+from tknp_megatron.analysis.costmodel import NodeBudget, kv_capacity
 from tknp_megatron.analysis.metrics import ServingMetrics, summarize
 from tknp_megatron.analysis.roofline import H200, Hardware, predicted_step_s
 from tknp_megatron.analysis.workload import Workload
@@ -36,10 +37,12 @@ from tknp_megatron.engine.engine import LockstepEngine
 from tknp_megatron.engine.intake import Arrival
 from tknp_megatron.executor.base import StepOutput
 from tknp_megatron.mode import Mode
+from tknp_megatron.placement import GIB
 from tknp_megatron.plan import StepPlan
 from tknp_megatron.sampling import SamplingParams
 
-__all__ = ["Calibration", "H200_CALIBRATION", "SimClock", "SimRun", "SimulatedPool", "simulate"]
+__all__ = ["Calibration", "H200_CALIBRATION", "SimClock", "SimRun", "SimulatedPool", "kv_tokens_per_owner",
+           "simulate"]
 
 SIMULATED = (Mode.TKNP, Mode.DP, Mode.TP, Mode.PP, Mode.DCP)
 
@@ -98,6 +101,7 @@ class StepModel:
         tp: GPUs per node.
         hw: per-op costs.
         factor: implementation factor (:class:`Calibration`).
+        weight_elem: bytes per linear weight (1: FP8-stored).
     """
 
     mode: Mode
@@ -106,11 +110,7 @@ class StepModel:
     tp: int
     hw: Hardware = H200
     factor: float = 1.0
-
-    def kv_bytes_per_token(self) -> float:
-        """K and V of every layer and KV head, bf16, of one token (the whole pool's copy)."""
-        p = self.preset
-        return 2 * 2 * p.num_layers * p.num_query_groups * p.kv_channels
+    weight_elem: float = 2.0
 
     def seconds(self, plan: StepPlan, num_nodes: int) -> float:
         rows = plan.num_requests
@@ -119,11 +119,12 @@ class StepModel:
         ingest = [0] * num_nodes
         for adm in plan.admissions:
             ingest[adm.owner] += adm.ingest_len
-        write = max(ingest) * self.kv_bytes_per_token() / self.tp  # a node's GPUs split it
+        write = max(ingest) * kv_bytes_per_token(self.preset) / self.tp  # a node's GPUs split it
         if not rows:
             return write / self.hw.kv_bw
         context = max(per_node) * num_nodes / rows  # the busiest owner bounds attention
-        step = predicted_step_s(self.mode.value, self.preset, self.world, self.tp, rows, context, self.hw)
+        step = predicted_step_s(self.mode.value, self.preset, self.world, self.tp, rows, context, self.hw,
+                                self.weight_elem)
         return self.factor * step + write / self.hw.kv_bw
 
 
@@ -210,7 +211,7 @@ def _arrivals(workload: Workload, pool: int, pools: int) -> List[Arrival]:
 def simulate(mode: Mode, preset: ModelPreset, world: int, tp: int, workload: Workload,
              kv_tokens_per_node: int, *, block_size: int = 16, max_requests_per_node: int = 256,
              hw: Hardware = H200, calibration: Calibration = H200_CALIBRATION,
-             max_prefill_tokens: int = 1 << 30) -> SimRun:
+             max_prefill_tokens: int = 1 << 30, weight_elem: float = 2.0) -> SimRun:
     """Replay ``workload`` on ``mode`` over ``world`` GPUs (``tp`` per node) whose every
     owning node holds ``kv_tokens_per_node`` KV tokens; see the module docstring."""
     mode = Mode(mode)
@@ -222,7 +223,7 @@ def simulate(mode: Mode, preset: ModelPreset, world: int, tp: int, workload: Wor
                           max_requests_per_node=max_requests_per_node,
                           max_prefill_tokens=max_prefill_tokens)
     pool_world = world // pools
-    model = StepModel(mode, preset, pool_world, t, hw, calibration.factor(mode))
+    model = StepModel(mode, preset, pool_world, t, hw, calibration.factor(mode), weight_elem)
     timelines, resident, capacity, steps, waves = [], 0.0, [], 0, 0
     for pool in range(pools):
         clock = SimClock()
@@ -236,3 +237,19 @@ def simulate(mode: Mode, preset: ModelPreset, world: int, tp: int, workload: Wor
         waves = max(waves, engine.scheduler.waves)
     return SimRun(mode, summarize(timelines, waves), resident, tuple(capacity), steps)
 
+
+
+def kv_bytes_per_token(preset: ModelPreset) -> int:
+    """BF16 K and V of every layer and KV head: one token of one request."""
+    return 2 * 2 * preset.num_layers * preset.num_query_groups * preset.kv_channels
+
+
+def kv_tokens_per_owner(mode: Mode, preset: ModelPreset, num_nodes: int, budget: NodeBudget) -> int:
+    """What each owning node of ``mode`` holds on ``num_nodes`` nodes under ``budget`` (the
+    capacity model, :func:`~tknp_megatron.analysis.costmodel.kv_capacity`), in tokens:
+    TKNP per node, DP per replica, TP / PP / DCP the whole pool (one owner)."""
+    mode = Mode(mode)
+    gib = kv_capacity(budget, num_nodes).of(mode)
+    if mode in (Mode.TKNP, Mode.DP):
+        gib /= num_nodes
+    return int(gib * GIB // kv_bytes_per_token(preset))

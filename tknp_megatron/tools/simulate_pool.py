@@ -6,6 +6,10 @@ Every mode on the same traces as ``tools/bench_serving.py`` (same flags), one ta
     python -m tknp_megatron.tools.simulate_pool --model llama3.1-70b --layers 12 --world 2 \\
         --kv-tokens-per-node 504192 --contexts 32768 --batches 128 64 --output-len 256
 
+``--paper`` predicts the paper's headline ratios (section 5: Llama 3.1 405B and Nemotron-4 340B
+on 4 and 8 hosts of 8 H100s, FP8; :mod:`tknp_megatron.analysis.paper_figures`) and prints
+each next to the paper's (minutes on one CPU core).
+
 ``--replay DIR`` instead rebuilds each row of a measured ``bench_serving`` run (its
 ``results.json``, the traces from the same flags as that run, each row's own KV capacity)
 and prints the prediction next to the measurement. ``--json`` writes the rows.
@@ -41,6 +45,9 @@ def parse_args(argv=None):
     p.add_argument("--calibration", choices=("h200", "none"), default="h200",
                    help="h200: the measured implementation factors; none: the bare roofline")
     p.add_argument("--replay", default=None, help="a bench_serving --out folder to predict row by row")
+    p.add_argument("--paper", action="store_true", help="the paper's headline ratios, predicted")
+    p.add_argument("--paper-batches", type=int, nargs="*", default=[],
+                   help="with --paper: these batches for every figure instead of the paper's grid")
     p.add_argument("--json", default=None, help="write the rows here")
     return p.parse_args(argv)
 
@@ -54,7 +61,11 @@ def check(args) -> None:
             problems.append(f"{flag} {value}: must be at least 1")
     if args.world >= 1 and args.tp >= 1 and args.world % args.tp:
         problems.append(f"--tp {args.tp}: must divide --world {args.world}")
-    if args.replay is None and args.kv_tokens_per_node is None:
+    if args.paper_batches and not args.paper:
+        problems.append("--paper-batches: only with --paper")
+    if any(b < 1 for b in args.paper_batches):
+        problems.append(f"--paper-batches {args.paper_batches}: each must be at least 1")
+    if args.replay is None and args.kv_tokens_per_node is None and not args.paper:
         problems.append("--kv-tokens-per-node: required (or --replay a measured run)")
     if args.kv_tokens_per_node is not None and args.kv_tokens_per_node < args.block_size:
         problems.append(f"--kv-tokens-per-node {args.kv_tokens_per_node}: must hold at least one "
@@ -126,6 +137,18 @@ def main(argv=None) -> int:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     warnings.simplefilter("ignore")  # Megatron warns about missing Apex / TE at import
+    if args.paper:
+        from tknp_megatron.analysis.paper_figures import predict
+
+        rows = predict(batches=args.paper_batches)
+        print(f"{'the paper reports':<66} {'paper':>6} {'predicted':>9} {'diff':>6}  at")
+        for r in rows:
+            print(f"{r['what']:<66} {r['paper']:>6.2f} {r['predicted']:>9.2f} {r['difference']:>+6.0%}  "
+                  f"{r['context'] // 1024}K, B={r['batch']}")
+        print("step times: bare roofline on H100 constants (analysis/roofline.py: H100)")
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        return 0
     rows = run(args)
     print_table(rows, H200_CALIBRATION.source if args.calibration == "h200" else "bare roofline")
     if args.json:
