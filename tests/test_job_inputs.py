@@ -161,5 +161,5 @@ def _run_with_tty_stderr(*flags) -> str:
 def test_progress_lines_on_a_terminal_only():
     shown = _run_with_tty_stderr()
     assert "TKNP: 4/4 requests" in shown and "reference: 4/4 requests" in shown
-    assert "TKNP:" not in _run_with_tty_stderr("--quiet")
+    assert "TKNP:" not in _run_with_tty_stderr("--quiet", "--no-reference")
     # piped stderr (not a terminal) shows none: checked on every run of tests/test_main_job.py

@@ -96,8 +96,10 @@ def test_paper_headlines_table(tmp_path, capsys):
     from tknp_megatron.analysis.paper_figures import HEADLINES
 
     assert simulate_pool.main(["--paper", "--paper-batches", "8", "--json", str(tmp_path / "p.json")]) == 0
-    rows = json.loads((tmp_path / "p.json").read_text())
+    out = json.loads((tmp_path / "p.json").read_text())
+    rows = out["headlines"]
     assert [(r["what"], r["paper"], r["batch"]) for r in rows] == [(h.what, h.paper, 8) for h in HEADLINES]
+    assert len(out["modes"]) == 5 and all(len(r["tok_s"]) == 5 for r in out["modes"])
     assert all(0 < r["predicted"] < 10 for r in rows)
     out = capsys.readouterr().out
     assert all(h.what in out for h in HEADLINES)

@@ -16,7 +16,7 @@ prediction is the largest ratio over the grid's batches for that comparison.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from tknp_megatron.analysis import workload as wl
 from tknp_megatron.analysis.costmodel import budget_from_measurement, budget_from_preset
@@ -26,7 +26,7 @@ from tknp_megatron.config import ModelPreset, get_preset
 from tknp_megatron.mode import Mode
 from tknp_megatron.placement import model_bytes
 
-__all__ = ["HEADLINES", "Headline", "predict"]
+__all__ = ["FIGURES", "HEADLINES", "Grid", "Headline", "mode_table", "predict"]
 
 OUTPUT_LEN = 1024
 MODES = (Mode.TKNP, Mode.DP, Mode.TP, Mode.PP, Mode.DCP)
@@ -86,33 +86,59 @@ def _setup(name: str) -> Tuple[ModelPreset, object, float]:
     return preset, budget, elem
 
 
-def _throughput(preset, budget, elem, mode: Mode, nodes: int, context: int, batch: int) -> float:
-    trace = wl.fixed_length(batch, context, OUTPUT_LEN, seed=0)
-    kv = kv_tokens_per_owner(mode, preset, nodes, budget)
-    run = simulate(mode, preset, 8 * nodes, 8, trace, kv, hw=H100, calibration=Calibration(),
-                   weight_elem=elem)
-    return run.metrics.completion_throughput_tok_s
+FIGURES = (  # (figure, model, nodes, contexts) whose every mode the table shows
+    ("Fig. 8", "llama3.1-405b", 4, (32768, 65536, 98304)),
+    ("Fig. 10", "nemotron4-340b", 4, (65536,)),
+    ("Fig. 11", "llama3.1-405b", 8, (32768,)),
+)
+TABLE_BATCHES = (32, 64, 128)
 
 
-def predict(headlines: Sequence[Headline] = HEADLINES, batches: Sequence[int] = ()) -> List[Dict]:
+class Grid:
+    """Simulated completion throughput (tok/s) of the paper's setups, each run once."""
+
+    def __init__(self):
+        self._runs: Dict[tuple, float] = {}
+
+    def throughput(self, model: str, mode: Mode, nodes: int, context: int, batch: int) -> float:
+        key = (model, Mode(mode), nodes, context, batch)
+        if key not in self._runs:
+            preset, budget, elem = _setup(model)
+            trace = wl.fixed_length(batch, context, OUTPUT_LEN, seed=0)
+            kv = kv_tokens_per_owner(mode, preset, nodes, budget)
+            run = simulate(mode, preset, 8 * nodes, 8, trace, kv, hw=H100, calibration=Calibration(),
+                           weight_elem=elem)
+            self._runs[key] = run.metrics.completion_throughput_tok_s
+        return self._runs[key]
+
+
+def predict(headlines: Sequence[Headline] = HEADLINES, batches: Sequence[int] = (),
+            grid: Optional[Grid] = None) -> List[Dict]:
     """One row per headline: the paper's ratio, the prediction and where it peaks.
     ``batches`` overrides every grid's batches (a quick look)."""
-    cache: Dict[tuple, float] = {}
+    grid = grid or Grid()
     rows = []
     for h in headlines:
-        preset, budget, elem = _setup(h.model)
         best = None
         for ctx in h.contexts:
             for b in batches or h.batches:
-                sides = []
-                for mode, nodes in (h.numerator, h.denominator):
-                    key = (h.model, mode, nodes, ctx, b)
-                    if key not in cache:
-                        cache[key] = _throughput(preset, budget, elem, mode, nodes, ctx, b)
-                    sides.append(cache[key])
-                ratio = sides[0] / sides[1]
-                if best is None or ratio > best[0]:
-                    best = (ratio, ctx, b)
+                num, den = (grid.throughput(h.model, mode, nodes, ctx, b)
+                            for mode, nodes in (h.numerator, h.denominator))
+                if best is None or num / den > best[0]:
+                    best = (num / den, ctx, b)
         rows.append(dict(what=h.what, paper=h.paper, predicted=best[0], context=best[1], batch=best[2],
                          difference=best[0] / h.paper - 1))
+    return rows
+
+
+def mode_table(batches: Sequence[int] = TABLE_BATCHES, grid: Optional[Grid] = None) -> List[Dict]:
+    """Every mode's predicted tok/s per figure, context and batch, with TKNP over each."""
+    grid = grid or Grid()
+    rows = []
+    for figure, model, nodes, contexts in FIGURES:
+        for ctx in contexts:
+            for b in batches:
+                tok = {m.value: grid.throughput(model, m, nodes, ctx, b) for m in MODES}
+                rows.append(dict(figure=figure, model=model, nodes=nodes, context=ctx, batch=b, tok_s=tok,
+                                 tknp_over={m: tok["tknp"] / v for m, v in tok.items() if m != "tknp"}))
     return rows

@@ -12,8 +12,9 @@ implementation gap is told apart from the physics.
 
 Across hosts (a pool wider than ``Hardware.gpus_per_host``) a transfer or collective
 that leaves the host runs at the per-GPU network rate instead (``net_s`` + bytes /
-``net_bw``): TKNP's root <-> owner exchange, TP's and DCP's all-reduces (and DCP's query
-gather and partial-output merge, whose bytes count there), PP's stage handoffs. Within a
+``net_bw``): TKNP's root <-> owner exchange, TP's and DCP's all-reduces, DCP's query
+gather and partial-output merge among the hosts sharing a head (their bytes count there:
+[B, Hq / host GPUs, d_h] each), PP's stage handoffs. Within a
 host the model is as calibrated above. ``weight_elem`` is bytes per linear weight (1 for
 FP8-stored weights: decode GEMMs read their weights, so they take half the time).
 
@@ -168,7 +169,11 @@ def predicted_step_s(
         layer = (dense_gemm_s(hw, batch, w / world) + 2 * _allreduce_s(hw, batch, preset, world)
                  + _kv_bytes(preset, batch * context, heads) / hw.kv_bw)
         if mode == "dcp":  # query all-gather and partial-output merge
-            layer += 2 * (_allreduce_s(hw, batch, preset, world) if across else hw.collective_s)
+            layer += 2 * hw.collective_s
+            if across:  # among the hosts sharing a head: [B, Hq / host GPUs, d_h] each way
+                hosts = world / hw.gpus_per_host
+                part = batch * preset.num_attention_heads / hw.gpus_per_host * preset.kv_channels * 2
+                layer += 2 * (hw.net_s + part * (hosts - 1) / hosts / hw.net_bw)
         return L * layer + _logits_s(hw, preset, batch, world)
     if mode == "pp":
         mb = batch / nodes  # about N microbatches; each stage runs L/N layers per microbatch

@@ -113,6 +113,7 @@ class StepModel:
     weight_elem: float = 2.0
 
     def seconds(self, plan: StepPlan, num_nodes: int) -> float:
+        """``plan``'s time on a pool of ``num_nodes`` owners (its rows grouped by owner)."""
         rows = plan.num_requests
         cached = (plan.per_request.start_pos + plan.per_request.q_lens).tolist()
         per_node = [sum(cached[slice(*plan.request_range(n))]) for n in range(num_nodes)]

@@ -129,6 +129,30 @@ def print_table(rows: list, calibration: str) -> None:
     print(f"step times: roofline x implementation factor ({calibration})")
 
 
+def print_paper(args) -> None:
+    """Every mode on the paper's setups, then its headline ratios next to the paper's."""
+    from tknp_megatron.analysis.paper_figures import TABLE_BATCHES, Grid, mode_table, predict
+
+    grid = Grid()
+    table = mode_table(args.paper_batches or TABLE_BATCHES, grid)
+    modes = list(table[0]["tok_s"])
+    print(f"{'figure':<8} {'model':<15} {'nodes':>5} {'ctx':>4} {'batch':>5} "
+          + " ".join(f"{m:>7}" for m in modes) + "  " + " ".join(f"{'/' + m:>6}" for m in modes[1:]))
+    for r in table:
+        print(f"{r['figure']:<8} {r['model']:<15} {r['nodes']:>5} {r['context'] // 1024:>3}K {r['batch']:>5} "
+              + " ".join(f"{r['tok_s'][m]:>7.0f}" for m in modes) + "  "
+              + " ".join(f"{r['tknp_over'][m]:>6.2f}" for m in modes[1:]))
+    rows = predict(batches=args.paper_batches, grid=grid)
+    print(f"\n{'the paper reports':<66} {'paper':>6} {'predicted':>9} {'diff':>6}  at")
+    for r in rows:
+        print(f"{r['what']:<66} {r['paper']:>6.2f} {r['predicted']:>9.2f} {r['difference']:>+6.0%}  "
+              f"{r['context'] // 1024}K, B={r['batch']}")
+    print("tok/s: completion throughput, 1,024 output tokens; step times: bare roofline on H100 "
+          "constants (analysis/roofline.py: H100)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(modes=table, headlines=rows), indent=1))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -138,16 +162,7 @@ def main(argv=None) -> int:
         return 2
     warnings.simplefilter("ignore")  # Megatron warns about missing Apex / TE at import
     if args.paper:
-        from tknp_megatron.analysis.paper_figures import predict
-
-        rows = predict(batches=args.paper_batches)
-        print(f"{'the paper reports':<66} {'paper':>6} {'predicted':>9} {'diff':>6}  at")
-        for r in rows:
-            print(f"{r['what']:<66} {r['paper']:>6.2f} {r['predicted']:>9.2f} {r['difference']:>+6.0%}  "
-                  f"{r['context'] // 1024}K, B={r['batch']}")
-        print("step times: bare roofline on H100 constants (analysis/roofline.py: H100)")
-        if args.json:
-            Path(args.json).write_text(json.dumps(rows, indent=1))
+        print_paper(args)
         return 0
     rows = run(args)
     print_table(rows, H200_CALIBRATION.source if args.calibration == "h200" else "bare roofline")
