@@ -104,7 +104,11 @@ def offline_worker(rank: int, world: int, job) -> dict:
     groups = ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, token_parallel_size=args.nodes)
     config = EngineConfig(kv_tokens_per_node=kv, cuda_graphs=args.cuda_graphs)
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    built = time.perf_counter()
     engine = build_engine(Mode.TKNP, preset, groups, config, device, dtype, weights=args.seed)
+    if rank == 0:  # each phase's time, so a slow run says where it went
+        print(f"bench_served: offline engine built in {time.perf_counter() - built:.1f} s "
+              f"(KV tokens per node {engine.kv_capacity_tokens})", flush=True)
     params = SamplingParams(max_new_tokens=args.output_len, eos_id=preset.vocab_size - 1)  # the null tokenizer's eod
     out = {}
     for attempt in ("warm-up", "timed"):
@@ -113,6 +117,8 @@ def offline_worker(rank: int, world: int, job) -> dict:
         start = time.perf_counter()
         results = engine.generate(prompts, params)
         out = dict(wall_s=time.perf_counter() - start, tokens=[list(r.tokens) for r in results])
+        if rank == 0:
+            print(f"bench_served: offline {attempt} pass {out['wall_s']:.1f} s", flush=True)
     ps.destroy_model_parallel()
     return out if rank == 0 else None
 
