@@ -81,3 +81,19 @@ def test_fp8_weights_halve_the_dense_time():
     p = L70.replace(num_layers=8)
     bf16, fp8 = (predicted_step_s("dp", p, 1, 1, 64, 0, weight_elem=e) for e in (2.0, 1.0))
     assert bf16 - fp8 == pytest.approx(8 * 478e-6 / 2)  # the logits layer stays BF16
+
+
+def test_the_papers_dual_schedule_overlaps_dense_and_attention():
+    """Two chains on two roots sharing the owners: a layer is the longer of one chain (dense
+    at B/2, exchange, attention of one microbatch) and both microbatches' attention; so it
+    is never slower per step than a single copy, and this repository's schedule (the two
+    half-phases add up) is never faster than it."""
+    p = L70.replace(num_layers=8)
+    for batch, ctx in ((16, 4096), (64, 32768), (128, 131072)):
+        paper = predicted_step_s("tknp-dual-paper", p, 4, 1, batch, ctx)
+        assert paper <= predicted_step_s("tknp", p, 4, 1, batch, ctx)
+        assert paper <= predicted_step_s("tknp-dual", p, 4, 1, batch, ctx)
+    per_owner = 128 / 8
+    attn = 2 * 2 * per_owner * 131072 * 8 * 128 / 4.3e12
+    logits = 478e-6 * (2 * 128256 * 8192) / H200.dense_ref_bytes  # the last roots, B/2 each, at once
+    assert predicted_step_s("tknp-dual-paper", p, 4, 1, 128, 131072) == pytest.approx(8 * 2 * attn + logits)

@@ -100,6 +100,19 @@ def test_paper_headlines_table(tmp_path, capsys):
     rows = out["headlines"]
     assert [(r["what"], r["paper"], r["batch"]) for r in rows] == [(h.what, h.paper, 8) for h in HEADLINES]
     assert len(out["modes"]) == 5 and all(len(r["tok_s"]) == 5 for r in out["modes"])
+    assert [(r["nodes"], r["batch"]) for r in out["dual"]] == [(n, 8) for n in (2, 2, 4, 4, 8, 8)]
     assert all(0 < r["predicted"] < 10 for r in rows)
     out = capsys.readouterr().out
     assert all(h.what in out for h in HEADLINES)
+
+
+def test_dual_roots_run_two_microbatches_and_lose_capacity():
+    """tknp-dual: the engine's two microbatches (requests split by owner load) on a dual
+    placement's capacity; every request completes, and with half the KV per node the same
+    trace needs more waves than the single copy."""
+    trace = wl.fixed_length(16, 1024, 16, seed=0)
+    single = simulate("tknp", PRESET, 4, 1, trace, kv_tokens_per_node=140 * 16)
+    dual = simulate("tknp-dual", PRESET, 4, 1, trace, kv_tokens_per_node=70 * 16,
+                    schedule="tknp-dual-paper")
+    assert single.metrics.completed == dual.metrics.completed == 16
+    assert (single.metrics.waves, dual.metrics.waves) == (2, 4)

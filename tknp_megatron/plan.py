@@ -13,7 +13,7 @@ device: ``prev_token_index`` points at its row of step n's output, which every r
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -178,6 +178,18 @@ class StepPlan:
     def request_range(self, node: int) -> Tuple[int, int]:
         lo = sum(self.requests_per_owner[:node])
         return lo, lo + self.requests_per_owner[node]
+
+    def cached_tokens_per_owner(self) -> List[int]:
+        """KV tokens each owner holds for this step's requests, this step's included
+        (over every microbatch)."""
+        used = [0] * len(self.requests_per_owner)
+        for part in self.microbatches or (self,):
+            cols = part.per_request
+            cached = (cols.start_pos + cols.q_lens).tolist()
+            for node in range(len(used)):
+                lo, hi = part.request_range(node)
+                used[node] += sum(cached[lo:hi])
+        return used
 
 
 def build_plan(

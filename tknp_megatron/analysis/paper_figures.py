@@ -9,6 +9,12 @@ the paper's measured Llama 3.1 405B node (454 GiB of weights, 106 GiB of DP KV);
 all-FP8-linear weight bytes. Step times are the bare roofline on H100 constants (the
 paper's engine is vLLM: no implementation factor of ours applies).
 
+Dual active roots (two weight copies, section 4.5) run on the engine's own two microbatches,
+timed by the roofline's model of the paper's schedule (a root computes only its own
+microbatch's attention, so dense work and attention overlap fully: the schedule's best
+case) or of this repository's (where they add up). :func:`dual_table` says where the
+second copy pays for its lost KV capacity.
+
 Each headline is the paper's largest reported ratio for a comparison (``up to``), so the
 prediction is the largest ratio over the grid's batches for that comparison.
 """
@@ -26,7 +32,7 @@ from tknp_megatron.config import ModelPreset, get_preset
 from tknp_megatron.mode import Mode
 from tknp_megatron.placement import model_bytes
 
-__all__ = ["FIGURES", "HEADLINES", "Grid", "Headline", "mode_table", "predict"]
+__all__ = ["DUAL_PAPER", "FIGURES", "HEADLINES", "Grid", "Headline", "dual_table", "mode_table", "predict"]
 
 OUTPUT_LEN = 1024
 MODES = (Mode.TKNP, Mode.DP, Mode.TP, Mode.PP, Mode.DCP)
@@ -54,6 +60,8 @@ class Headline:
     batches: Tuple[int, ...]
 
 
+DUAL_PAPER = "tknp-dual-paper"  # Mode.TKNP_DUAL on the paper's schedule (see Grid.throughput)
+
 HEADLINES = (
     Headline("405B, 4 nodes: TKNP over DP, up to (Fig. 8: 32K / 64K / 96K)", 2.06, "llama3.1-405b",
              (Mode.TKNP, 4), (Mode.DP, 4), (32768, 65536, 98304), (32, 64, 128)),
@@ -67,6 +75,10 @@ HEADLINES = (
              (Mode.TKNP, 8), (Mode.TKNP, 4), (32768,), (128,)),
     Headline("405B, 32K, B=128: DCP on 8 nodes over 4 (section 5.2)", 1.37, "llama3.1-405b",
              (Mode.DCP, 8), (Mode.DCP, 4), (32768,), (128,)),
+    Headline("405B, 8 nodes, 32K: dual active roots over single copy, up to (Fig. 11)", 1.111,
+             "llama3.1-405b", (DUAL_PAPER, 8), (Mode.TKNP, 8), (32768,), (32, 64, 128)),
+    Headline("405B, 8 nodes, 32K: dual active roots over DCP, up to (Fig. 11)", 1.70,
+             "llama3.1-405b", (DUAL_PAPER, 8), (Mode.DCP, 8), (32768,), (32, 64, 128)),
 )
 
 
@@ -100,14 +112,18 @@ class Grid:
     def __init__(self):
         self._runs: Dict[tuple, float] = {}
 
-    def throughput(self, model: str, mode: Mode, nodes: int, context: int, batch: int) -> float:
-        key = (model, Mode(mode), nodes, context, batch)
+    def throughput(self, model: str, mode, nodes: int, context: int, batch: int) -> float:
+        """``mode`` is a :class:`Mode`, ``tknp-dual`` on this repository's dual-root schedule,
+        or :data:`DUAL_PAPER`: two copies on the schedule the paper describes."""
+        schedule = mode if mode == DUAL_PAPER else None
+        mode = Mode.TKNP_DUAL if schedule else Mode(mode)
+        key = (model, mode, schedule, nodes, context, batch)
         if key not in self._runs:
             preset, budget, elem = _setup(model)
             trace = wl.fixed_length(batch, context, OUTPUT_LEN, seed=0)
             kv = kv_tokens_per_owner(mode, preset, nodes, budget)
             run = simulate(mode, preset, 8 * nodes, 8, trace, kv, hw=H100, calibration=Calibration(),
-                           weight_elem=elem)
+                           weight_elem=elem, schedule=schedule)
             self._runs[key] = run.metrics.completion_throughput_tok_s
         return self._runs[key]
 
@@ -141,4 +157,26 @@ def mode_table(batches: Sequence[int] = TABLE_BATCHES, grid: Optional[Grid] = No
                 tok = {m.value: grid.throughput(model, m, nodes, ctx, b) for m in MODES}
                 rows.append(dict(figure=figure, model=model, nodes=nodes, context=ctx, batch=b, tok_s=tok,
                                  tknp_over={m: tok["tknp"] / v for m, v in tok.items() if m != "tknp"}))
+    return rows
+
+
+def dual_table(nodes: Sequence[int] = (2, 4, 8), contexts: Sequence[int] = (32768, 65536),
+               batches: Sequence[int] = TABLE_BATCHES, grid: Optional[Grid] = None) -> List[Dict]:
+    """Where a second weight copy pays, on the 405B setup: per node count, context and batch,
+    each copy count's KV tokens per node and tok/s, and dual over single copy on this
+    repository's dual-root schedule and on the paper's."""
+    grid = grid or Grid()
+    preset, budget, _ = _setup("llama3.1-405b")
+    rows = []
+    for n in nodes:
+        for ctx in contexts:
+            for b in batches:
+                single = grid.throughput("llama3.1-405b", Mode.TKNP, n, ctx, b)
+                ours = grid.throughput("llama3.1-405b", Mode.TKNP_DUAL, n, ctx, b)
+                paper = grid.throughput("llama3.1-405b", DUAL_PAPER, n, ctx, b)
+                rows.append(dict(nodes=n, context=ctx, batch=b,
+                                 kv_tokens_per_node=kv_tokens_per_owner(Mode.TKNP, preset, n, budget),
+                                 dual_kv_tokens_per_node=kv_tokens_per_owner(Mode.TKNP_DUAL, preset, n, budget),
+                                 single_tok_s=single, dual_over_single=ours / single,
+                                 paper_dual_over_single=paper / single))
     return rows

@@ -18,6 +18,11 @@ gather and partial-output merge among the hosts sharing a head (their bytes coun
 host the model is as calibrated above. ``weight_elem`` is bytes per linear weight (1 for
 FP8-stored weights: decode GEMMs read their weights, so they take half the time).
 
+``tknp-dual-paper`` is the schedule the paper describes (a root computes only its own
+microbatch's attention while it is root): the microbatches are two chains of root dense
+work, exchange and owners' attention on different roots, sharing only the owners, so a
+layer takes the longer of one chain and the owners' attention for both microbatches.
+
 ``tknp-dual`` models :mod:`tknp_megatron.executor.dual_root`'s schedule: per layer two half-phases,
 each bounded by a root running one microbatch's dense work plus its own owner share of
 the other microbatch's attention. With dense cost nearly flat in the batch this is
@@ -159,6 +164,17 @@ def predicted_step_s(
         half = (dense_gemm_s(hw, batch / 2, w / tp) + 2 * _allreduce_s(hw, batch / 2, preset, tp)
                 + _kv_bytes(preset, per_owner * context, hkv / tp) / hw.kv_bw + exch)
         return L * 2 * half + 2 * _logits_s(hw, preset, batch / 2, tp)
+    if mode == "tknp-dual-paper":
+        # the paper's arrangement: a root runs only its own microbatch's attention, so the
+        # two microbatches are two chains (root dense, exchange, owners' attention) on
+        # different roots that share only the owners: a layer takes the longer of one
+        # chain and the owners' attention for both (the schedule's best case)
+        per_owner = batch / (2 * nodes)
+        exch = 2 * _p2p_s(hw, per_owner * (preset.qkv_width + preset.num_attention_heads
+                                           * preset.kv_channels) * 2 / tp, across)
+        dense = dense_gemm_s(hw, batch / 2, w / tp) + 2 * _allreduce_s(hw, batch / 2, preset, tp)
+        attn = _kv_bytes(preset, per_owner * context, hkv / tp) / hw.kv_bw
+        return L * max(dense + attn + exch, 2 * attn) + _logits_s(hw, preset, batch / 2, tp)
     if mode == "dp":
         b = batch / nodes
         layer = (dense_gemm_s(hw, b, w / tp) + 2 * _allreduce_s(hw, b, preset, tp)

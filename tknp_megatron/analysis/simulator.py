@@ -11,7 +11,9 @@ write is charged at the KV bandwidth.
 
 One process plays the pool's coordinator; the other ranks exist only in the step time.
 DP runs one simulated pool per replica (requests round-robin by id, as the benchmarks
-route them) and merges their timelines. Dual active roots are not simulated yet.
+route them) and merges their timelines. ``tknp-dual`` runs the engine's two microbatches
+(each request's microbatch chosen by the engine) on the roofline's model of this
+repository's dual-root schedule, or with ``schedule="tknp-dual-paper"`` on the paper's.
 
 Known skew: the engine books step n after queuing step n + 1, and the executor advances
 the clock when a step is queued, so each token's timestamp is one step late (completion
@@ -21,7 +23,7 @@ times by one step in a request's whole run).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -34,6 +36,7 @@ from tknp_megatron.config import ModelPreset
 from tknp_megatron.engine.base import BuiltExecutor
 from tknp_megatron.engine.config import EngineConfig
 from tknp_megatron.engine.engine import LockstepEngine
+from tknp_megatron.engine.factory import engine_config_for
 from tknp_megatron.engine.intake import Arrival
 from tknp_megatron.executor.base import StepOutput
 from tknp_megatron.mode import Mode
@@ -44,7 +47,7 @@ from tknp_megatron.sampling import SamplingParams
 __all__ = ["Calibration", "H200_CALIBRATION", "SimClock", "SimRun", "SimulatedPool", "kv_tokens_per_owner",
            "simulate"]
 
-SIMULATED = (Mode.TKNP, Mode.DP, Mode.TP, Mode.PP, Mode.DCP)
+SIMULATED = (Mode.TKNP, Mode.TKNP_DUAL, Mode.DP, Mode.TP, Mode.PP, Mode.DCP)
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,8 @@ class StepModel:
         hw: per-op costs.
         factor: implementation factor (:class:`Calibration`).
         weight_elem: bytes per linear weight (1: FP8-stored).
+        schedule: the roofline's name for the step, if not the mode's (``tknp-dual-paper``:
+            dual active roots as the paper describes them).
     """
 
     mode: Mode
@@ -111,12 +116,12 @@ class StepModel:
     hw: Hardware = H200
     factor: float = 1.0
     weight_elem: float = 2.0
+    schedule: Optional[str] = None
 
     def seconds(self, plan: StepPlan, num_nodes: int) -> float:
         """``plan``'s time on a pool of ``num_nodes`` owners (its rows grouped by owner)."""
         rows = plan.num_requests
-        cached = (plan.per_request.start_pos + plan.per_request.q_lens).tolist()
-        per_node = [sum(cached[slice(*plan.request_range(n))]) for n in range(num_nodes)]
+        per_node = plan.cached_tokens_per_owner()
         ingest = [0] * num_nodes
         for adm in plan.admissions:
             ingest[adm.owner] += adm.ingest_len
@@ -124,8 +129,8 @@ class StepModel:
         if not rows:
             return write / self.hw.kv_bw
         context = max(per_node) * num_nodes / rows  # the busiest owner bounds attention
-        step = predicted_step_s(self.mode.value, self.preset, self.world, self.tp, rows, context, self.hw,
-                                self.weight_elem)
+        step = predicted_step_s(self.schedule or self.mode.value, self.preset, self.world, self.tp, rows,
+                                context, self.hw, self.weight_elem)
         return self.factor * step + write / self.hw.kv_bw
 
 
@@ -212,19 +217,20 @@ def _arrivals(workload: Workload, pool: int, pools: int) -> List[Arrival]:
 def simulate(mode: Mode, preset: ModelPreset, world: int, tp: int, workload: Workload,
              kv_tokens_per_node: int, *, block_size: int = 16, max_requests_per_node: int = 256,
              hw: Hardware = H200, calibration: Calibration = H200_CALIBRATION,
-             max_prefill_tokens: int = 1 << 30, weight_elem: float = 2.0) -> SimRun:
+             max_prefill_tokens: int = 1 << 30, weight_elem: float = 2.0,
+             schedule: Optional[str] = None) -> SimRun:
     """Replay ``workload`` on ``mode`` over ``world`` GPUs (``tp`` per node) whose every
     owning node holds ``kv_tokens_per_node`` KV tokens; see the module docstring."""
     mode = Mode(mode)
     if mode not in SIMULATED:
         raise ValueError(f"--mode {mode.value}: the simulator runs {[m.value for m in SIMULATED]}")
     pools, nodes, t = mode.pool_shape(world, tp)
-    owners = nodes if mode is Mode.TKNP else 1  # PP's stages and DCP's ranks share one budget
-    config = EngineConfig(block_size=block_size, kv_tokens_per_node=kv_tokens_per_node,
-                          max_requests_per_node=max_requests_per_node,
-                          max_prefill_tokens=max_prefill_tokens)
+    owners = nodes if mode in (Mode.TKNP, Mode.TKNP_DUAL) else 1  # PP and DCP: one budget
+    config = engine_config_for(mode, EngineConfig(
+        block_size=block_size, kv_tokens_per_node=kv_tokens_per_node,
+        max_requests_per_node=max_requests_per_node, max_prefill_tokens=max_prefill_tokens))
     pool_world = world // pools
-    model = StepModel(mode, preset, pool_world, t, hw, calibration.factor(mode), weight_elem)
+    model = StepModel(mode, preset, pool_world, t, hw, calibration.factor(mode), weight_elem, schedule)
     timelines, resident, capacity, steps, waves = [], 0.0, [], 0, 0
     for pool in range(pools):
         clock = SimClock()
@@ -248,9 +254,9 @@ def kv_bytes_per_token(preset: ModelPreset) -> int:
 def kv_tokens_per_owner(mode: Mode, preset: ModelPreset, num_nodes: int, budget: NodeBudget) -> int:
     """What each owning node of ``mode`` holds on ``num_nodes`` nodes under ``budget`` (the
     capacity model, :func:`~tknp_megatron.analysis.costmodel.kv_capacity`), in tokens:
-    TKNP per node, DP per replica, TP / PP / DCP the whole pool (one owner)."""
+    TKNP (either copy count) per node, DP per replica, TP / PP / DCP the whole pool."""
     mode = Mode(mode)
     gib = kv_capacity(budget, num_nodes).of(mode)
-    if mode in (Mode.TKNP, Mode.DP):
+    if mode in (Mode.TKNP, Mode.TKNP_DUAL, Mode.DP):
         gib /= num_nodes
     return int(gib * GIB // kv_bytes_per_token(preset))

@@ -250,7 +250,7 @@ class InferenceEngine(abc.ABC):
         self.resident_total += self.scheduler.num_running()
         log_probs = StepLogProbs.read(out.log_probs, out.top_log_probs, out.top_ids)
         finished = self.scheduler.postprocess(plan, tokens, out.logits, self.clock(), log_probs)
-        used = self.scheduler.kv_tokens_per_node(plan)
+        used = plan.cached_tokens_per_owner()
         self.peak_kv_tokens = [max(p, u) for p, u in zip(self.peak_kv_tokens, used)]
         return finished
 

@@ -227,17 +227,6 @@ class Scheduler:
                 finished.append(rid)
         return finished
 
-    def kv_tokens_per_node(self, plan: StepPlan) -> List[int]:
-        """KV tokens each node holds for the step's requests (this step's included)."""
-        used = [0] * self.num_nodes
-        for part in plan.microbatches or (plan,):
-            cols = part.per_request
-            cached = (cols.start_pos + cols.q_lens).tolist()
-            for node in range(self.num_nodes):
-                lo, hi = part.request_range(node)
-                used[node] += sum(cached[lo:hi])
-        return used
-
     def kv_utilization(self) -> List[float]:
         """Per node: fraction of KV tokens currently cached."""
         return [

@@ -131,7 +131,7 @@ def print_table(rows: list, calibration: str) -> None:
 
 def print_paper(args) -> None:
     """Every mode on the paper's setups, then its headline ratios next to the paper's."""
-    from tknp_megatron.analysis.paper_figures import TABLE_BATCHES, Grid, mode_table, predict
+    from tknp_megatron.analysis.paper_figures import TABLE_BATCHES, Grid, dual_table, mode_table, predict
 
     grid = Grid()
     table = mode_table(args.paper_batches or TABLE_BATCHES, grid)
@@ -142,6 +142,13 @@ def print_paper(args) -> None:
         print(f"{r['figure']:<8} {r['model']:<15} {r['nodes']:>5} {r['context'] // 1024:>3}K {r['batch']:>5} "
               + " ".join(f"{r['tok_s'][m]:>7.0f}" for m in modes) + "  "
               + " ".join(f"{r['tknp_over'][m]:>6.2f}" for m in modes[1:]))
+    dual = dual_table(batches=args.paper_batches or TABLE_BATCHES, grid=grid)
+    print(f"\ndual active roots on 405B: {'nodes':>5} {'ctx':>4} {'batch':>5} {'KV tok/node':>11} "
+          f"{'dual KV':>9} {'single tok/s':>12} {'dual/single':>11} {'paper sched.':>12}")
+    for r in dual:
+        print(f"{'':<26} {r['nodes']:>5} {r['context'] // 1024:>3}K {r['batch']:>5} "
+              f"{r['kv_tokens_per_node']:>11} {r['dual_kv_tokens_per_node']:>9} {r['single_tok_s']:>12.0f} "
+              f"{r['dual_over_single']:>11.2f} {r['paper_dual_over_single']:>12.2f}")
     rows = predict(batches=args.paper_batches, grid=grid)
     print(f"\n{'the paper reports':<66} {'paper':>6} {'predicted':>9} {'diff':>6}  at")
     for r in rows:
@@ -150,7 +157,7 @@ def print_paper(args) -> None:
     print("tok/s: completion throughput, 1,024 output tokens; step times: bare roofline on H100 "
           "constants (analysis/roofline.py: H100)")
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(modes=table, headlines=rows), indent=1))
+        Path(args.json).write_text(json.dumps(dict(modes=table, dual=dual, headlines=rows), indent=1))
 
 
 def main(argv=None) -> int:
