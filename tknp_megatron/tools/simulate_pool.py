@@ -88,8 +88,7 @@ def run(args) -> list:
     rows = []
     for ctx, batch, rate, trace in traces(args):
         for label, mode, preset in mode_runs(args):
-            key = (label, ctx, batch, None if rate is None else rate)
-            row = measured.get(key) if measured is not None else None
+            row = measured.get((label, ctx, batch, rate)) if measured is not None else None
             if measured is not None and row is None:
                 continue  # the measured run has no such row (cut short)
             capacity = args.kv_tokens_per_node if row is None else min(row["kv_capacity_tokens"][0])
