@@ -22,7 +22,7 @@ prediction is the largest ratio over the grid's batches for that comparison.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from tknp_megatron.analysis import workload as wl
 from tknp_megatron.analysis.costmodel import budget_from_measurement, budget_from_preset
@@ -46,16 +46,17 @@ class Headline:
         what: the comparison, in words, with its figure.
         paper: the ratio the paper reports.
         model: preset name.
-        numerator, denominator: ``(mode, nodes)`` of each side.
+        numerator, denominator: ``(mode, nodes)`` of each side (a :class:`Mode`, or
+            :data:`DUAL_PAPER`).
         contexts: the contexts the paper's figure covers.
-        batches: offered batches of the grid (None: the largest only, as the paper states).
+        batches: the offered batches over which the largest ratio is taken.
     """
 
     what: str
     paper: float
     model: str
-    numerator: Tuple[Mode, int]
-    denominator: Tuple[Mode, int]
+    numerator: Tuple[Union[Mode, str], int]
+    denominator: Tuple[Union[Mode, str], int]
     contexts: Tuple[int, ...]
     batches: Tuple[int, ...]
 
