@@ -1,6 +1,8 @@
-"""tknp_megatron/tools/bench_serving.py on CPU: every mode serves the same trace and agrees on tokens."""
+"""tknp_megatron/tools/bench_serving.py on CPU: every mode serves the same traces and agrees on
+tokens (the README's smoke command)."""
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -9,12 +11,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_all_modes_one_invocation(tmp_path):
+    """The README's CPU smoke run (its ``--out`` moved here)."""
+    from tests.test_readme import commands
+
     out = tmp_path / "serving"
-    cmd = [sys.executable, "-m", "tknp_megatron.tools.bench_serving", "--world", "2",
-           "--model", "tiny", "--contexts", "24", "--batches", "6", "--output-len", "3",
-           "--kv-tokens-per-node", "64", "--block-size", "4", "--mixed-requests", "4",
-           "--mixed-scale", str(1 / 4096), "--rates", "50", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    (cmd,) = [shlex.split(c) for c, _ in commands() if "bench_serving --world" in c]
+    cmd[cmd.index("--out") + 1] = str(out)
+    proc = subprocess.run([sys.executable, *cmd[1:]], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((out / "results.json").read_text())
     modes = {r["mode"] for r in result["rows"]}

@@ -8,7 +8,9 @@ meet at ``$HEAD``. Only the sizes change (CPU, gloo, tiny models):
     itself: its tokens equal the reference's, and both hosts own requests;
 (b) the server, a pool on each host behind Megatron's coordinator on rank 0: the pool on
     the other host registers over TCP, both pools serve, the tokens equal the offline
-    engine's, and signalling every host's torchrun stops everything in order.
+    engine's, and signalling every host's torchrun stops everything in order;
+(c) the serving harness, TKNP (a node per host), DP (a replica per host) and TP (one node
+    across both) on one trace: every mode completes it and agrees on tokens.
 """
 
 from __future__ import annotations
@@ -167,3 +169,19 @@ def test_server_with_a_pool_on_each_host(tmp_path):
         assert hosts.alive() == []
     finally:
         hosts.kill()
+
+
+def test_serving_harness_across_two_hosts(tmp_path):
+    out = tmp_path / "hosts"
+    argv = readme_command("bench_serving", nproc_per_node=1, tp=1, model="tiny", contexts=64, batches=4,
+                          out=out, **_rendezvous("bench"))
+    hosts = Hosts(argv, 2, tmp_path, ["--output-len", "4", "--kv-tokens-per-node", "512"])
+    try:
+        codes = hosts.wait(TIMEOUT_S)
+    finally:
+        hosts.kill()
+    assert codes == [0, 0], "\n".join(hosts.lines[-60:])
+    result = json.loads((out / "results.json").read_text())
+    assert [r["mode"] for r in result["rows"]] == ["TKNP", "DP", "TP"]
+    assert all(r["completed"] == 4 for r in result["rows"])
+    assert result["tokens_agree"] and all(v == 1.0 for v in result["tokens_agree"].values())
