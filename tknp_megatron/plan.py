@@ -4,6 +4,10 @@ Requests are in batch order, grouped by owner node (node 0's first), so each own
 are one contiguous slice and the root's gather is a concatenation in batch order. A plan's
 per-request tensors are one record, :class:`RequestColumns`.
 
+A plan crosses the pool every step (pickled, host to host), so its tensors pickle as their
+raw bytes (:func:`_to_bytes`): torch's own tensor pickling costs tens of microseconds per
+tensor, several times the whole plan's bytes.
+
 Plans are built one step ahead (overlapped scheduling, as in vLLM's async scheduler):
 while step n runs on the GPUs the coordinator plans step n + 1 before it has read step
 n's tokens. A request whose step-n token is still in flight is fed that token on the
@@ -102,6 +106,24 @@ class RequestColumns:
         """The ``[R]`` sampling tensors of :func:`~tknp_megatron.sampling.sample` (host)."""
         return SamplingTensors(*[getattr(self, name) for name in _SAMPLING_SOURCES])
 
+    def __reduce__(self):
+        return _columns_from_bytes, (tuple(_to_bytes(getattr(self, f.name)) for f in _FIELDS),)
+
+
+def _to_bytes(t: torch.Tensor) -> bytes:
+    """A 1-D host tensor's raw bytes (its dtype is known where it is rebuilt)."""
+    return t.cpu().numpy().tobytes()
+
+
+def _from_bytes(data: bytes, dtype: torch.dtype) -> torch.Tensor:
+    if not data:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=dtype)
+
+
+def _columns_from_bytes(raw: Tuple[bytes, ...]) -> "RequestColumns":
+    return RequestColumns(**{f.name: _from_bytes(b, f.metadata["dtype"]) for f, b in zip(_FIELDS, raw)})
+
 
 _FIELDS = fields(RequestColumns)
 _SAMPLING_SOURCES = tuple(  # the column behind each SamplingTensors field, in its order
@@ -175,6 +197,13 @@ class StepPlan:
     def max_query_len(self) -> int:
         return int(self.per_request.q_lens.max()) if self.num_requests else 0
 
+    def __reduce__(self):
+        state = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name in _LONG_FIELDS:
+            if state[name] is not None:
+                state[name] = _to_bytes(state[name])
+        return _plan_from_state, (state,)
+
     def request_range(self, node: int) -> Tuple[int, int]:
         lo = sum(self.requests_per_owner[:node])
         return lo, lo + self.requests_per_owner[node]
@@ -217,6 +246,16 @@ def build_plan(
         for m in range(num_microbatches)
     )
     return _concat(parts, admissions)
+
+
+_LONG_FIELDS = ("tokens", "prev_token_index")  # the plan's own int64 tensors
+
+
+def _plan_from_state(state: dict) -> StepPlan:
+    for name in _LONG_FIELDS:
+        if state[name] is not None:
+            state[name] = _from_bytes(state[name], torch.int64)
+    return StepPlan(**state)
 
 
 def _concat(parts: Tuple[StepPlan, ...], admissions: Sequence[Admission]) -> StepPlan:
