@@ -55,7 +55,6 @@ class Hardware:
         gpus_per_host: GPUs joined by NVLink (one host).
         net_bw: bytes/s per GPU between hosts (one direction).
         net_s: fixed latency of a transfer or collective between hosts.
-        name: for tables.
     """
 
     dense_rows: tuple = (32, 64, 128)
@@ -73,7 +72,6 @@ class Hardware:
     gpus_per_host: int = 8
     net_bw: float = 33.4e9
     net_s: float = 25e-6
-    name: str = "H200"
 
 
 H200 = Hardware()
@@ -82,7 +80,7 @@ H200 = Hardware()
 # (NVIDIA's data sheets). Decode GEMMs and attention read memory, so both H200
 # calibrations scale by that ratio; nothing here was measured on an H100.
 _HBM = 3.35 / 4.8
-H100 = Hardware(dense_s=tuple(t / _HBM for t in H200.dense_s), kv_bw=H200.kv_bw * _HBM, name="H100")
+H100 = Hardware(dense_s=tuple(t / _HBM for t in H200.dense_s), kv_bw=H200.kv_bw * _HBM)
 
 
 def dense_gemm_s(hw: Hardware, rows: float, weight_bytes: float) -> float:
@@ -123,6 +121,12 @@ def _p2p_s(hw: Hardware, nbytes: float, across_hosts: bool) -> float:
     return hw.net_s + nbytes / hw.net_bw if across_hosts else hw.p2p_s + nbytes / hw.link_bw
 
 
+def _exchange_s(hw: Hardware, preset: ModelPreset, per_owner: float, tp: int, across_hosts: bool) -> float:
+    """A layer's root <-> owner exchange for ``per_owner`` rows: QKV out, attention back."""
+    row = (preset.qkv_width + preset.num_attention_heads * preset.kv_channels) * 2 / tp
+    return 2 * _p2p_s(hw, per_owner * row, across_hosts)
+
+
 def _logits_s(hw: Hardware, preset: ModelPreset, rows: float, tp: int) -> float:
     return dense_gemm_s(hw, rows, 2.0 * preset.vocab_size * preset.hidden_size / tp)
 
@@ -149,8 +153,7 @@ def predicted_step_s(
     across = world > hw.gpus_per_host
     if mode == "tknp":
         per_owner = batch / nodes
-        exch = 2 * _p2p_s(hw, per_owner * (preset.qkv_width + preset.num_attention_heads
-                                           * preset.kv_channels) * 2 / tp, across)
+        exch = _exchange_s(hw, preset, per_owner, tp, across)
         layer = (dense_gemm_s(hw, batch, w / tp) + 2 * _allreduce_s(hw, batch, preset, tp)
                  + _kv_bytes(preset, per_owner * context, hkv / tp) / hw.kv_bw
                  + (exch if nodes > 1 else 0.0))
@@ -159,8 +162,7 @@ def predicted_step_s(
         # two microbatches half a layer apart: per half-phase the busiest node is a root
         # running one microbatch's dense work and its own share of the other's attention
         per_owner = batch / (2 * nodes)
-        exch = 2 * _p2p_s(hw, per_owner * (preset.qkv_width + preset.num_attention_heads
-                                           * preset.kv_channels) * 2 / tp, across)
+        exch = _exchange_s(hw, preset, per_owner, tp, across)
         half = (dense_gemm_s(hw, batch / 2, w / tp) + 2 * _allreduce_s(hw, batch / 2, preset, tp)
                 + _kv_bytes(preset, per_owner * context, hkv / tp) / hw.kv_bw + exch)
         return L * 2 * half + 2 * _logits_s(hw, preset, batch / 2, tp)
@@ -170,8 +172,7 @@ def predicted_step_s(
         # different roots that share only the owners: a layer takes the longer of one
         # chain and the owners' attention for both (the schedule's best case)
         per_owner = batch / (2 * nodes)
-        exch = 2 * _p2p_s(hw, per_owner * (preset.qkv_width + preset.num_attention_heads
-                                           * preset.kv_channels) * 2 / tp, across)
+        exch = _exchange_s(hw, preset, per_owner, tp, across)
         dense = dense_gemm_s(hw, batch / 2, w / tp) + 2 * _allreduce_s(hw, batch / 2, preset, tp)
         attn = _kv_bytes(preset, per_owner * context, hkv / tp) / hw.kv_bw
         return L * max(dense + attn + exch, 2 * attn) + _logits_s(hw, preset, batch / 2, tp)
