@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from tknp_megatron.analysis import workload as wl
-from tknp_megatron.analysis.costmodel import budget_from_measurement, budget_from_preset
+from tknp_megatron.analysis.costmodel import NodeBudget, budget_from_measurement, budget_from_preset
 from tknp_megatron.analysis.roofline import H100
 from tknp_megatron.analysis.simulator import Calibration, kv_tokens_per_owner, simulate
 from tknp_megatron.config import ModelPreset, get_preset
@@ -83,7 +83,7 @@ HEADLINES = (
 )
 
 
-def _setup(name: str) -> Tuple[ModelPreset, object, float]:
+def _setup(name: str) -> Tuple[ModelPreset, NodeBudget, float]:
     """``(preset, node budget, bytes per linear weight)`` of a paper model on TP8 hosts."""
     preset = get_preset(name).replace(max_sequence_length=131072)  # Nemotron: linear RoPE scaling
     linear = preset.layer_linear_params()

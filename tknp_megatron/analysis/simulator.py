@@ -118,10 +118,11 @@ class StepModel:
     weight_elem: float = 2.0
     schedule: Optional[str] = None
 
-    def seconds(self, plan: StepPlan, num_nodes: int) -> float:
-        """``plan``'s time on a pool of ``num_nodes`` owners (its rows grouped by owner)."""
+    def seconds(self, plan: StepPlan) -> float:
+        """``plan``'s time on its pool."""
         rows = plan.num_requests
         per_node = plan.cached_tokens_per_owner()
+        num_nodes = len(per_node)
         ingest = [0] * num_nodes
         for adm in plan.admissions:
             ingest[adm.owner] += adm.ingest_len
@@ -138,14 +139,14 @@ class _TimedExecutor:
     """An :class:`~tknp_megatron.executor.base.Executor` that charges each plan's modelled
     time to the clock and returns a token that ends no request early (id 0)."""
 
-    def __init__(self, model: StepModel, clock: SimClock, num_nodes: int):
-        self.model, self.clock, self.num_nodes = model, clock, num_nodes
+    def __init__(self, model: StepModel, clock: SimClock):
+        self.model, self.clock = model, clock
 
     def apply_admissions(self, admissions) -> None:
         pass  # no KV is stored: the blocks are the scheduler's books
 
     def execute(self, plan: StepPlan, timer=None) -> StepOutput:
-        self.clock.advance(self.model.seconds(plan, self.num_nodes))
+        self.clock.advance(self.model.seconds(plan))
         return StepOutput(torch.zeros(plan.num_requests, dtype=torch.long))
 
     def enable_cuda_graphs(self) -> None:
@@ -172,7 +173,7 @@ class SimulatedPool(LockstepEngine):
 
     def _build_executor(self, model) -> BuiltExecutor:
         counts, step_model, clock = self._sim
-        return BuiltExecutor(_TimedExecutor(step_model, clock, len(counts)), None, counts)
+        return BuiltExecutor(_TimedExecutor(step_model, clock), None, counts)
 
     def _broadcast(self, box: list) -> None:
         pass  # no other rank: the plan's work is in the step time

@@ -90,5 +90,6 @@ class ArrivalQueue:
         return self.t0 + self._pending[-1].time_s if self._pending else None
 
     def sleep_until_next(self) -> None:
-        if self._pending:
-            time.sleep(max(0.0, self.t0 + self._pending[-1].time_s - self.clock()))
+        due = self.next_time()
+        if due is not None:
+            time.sleep(max(0.0, due - self.clock()))
