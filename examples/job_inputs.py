@@ -34,6 +34,14 @@ def add_model_flags(p, tokenizer_help: str = "HF tokenizer folder") -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="float32 (CPU default) or bfloat16 (GPU default)")
+    p.add_argument("--transformer-impl", default="auto", metavar="IMPL",
+                   help="dense layers: local (Megatron's local spec), transformer_engine (its TE "
+                        "spec) or auto (TE where installed, on GPU)")
+    p.add_argument("--fp8-recipe", default=None, metavar="RECIPE",
+                   help="store the layers' GEMM weights in FP8 and run them in FP8 with this "
+                        "Megatron recipe: tensorwise or blockwise (needs Transformer Engine, GPU)")
+    p.add_argument("--fp8-format", default="hybrid", metavar="FORMAT",
+                   help="Megatron's FP8 format with --fp8-recipe: hybrid or e4m3")
 
 
 def finish_model_flags(p, args) -> None:
@@ -44,6 +52,13 @@ def finish_model_flags(p, args) -> None:
         p.error("--model is a preset with seeded weights: not with --load / --hf / --model-config")
     if args.hf and args.model_config:
         p.error("--hf takes the architecture from the folder's config.json")
+
+
+def dense_format(args):
+    """The dense layers the flags ask for (see :mod:`tknp_megatron.models.precision`)."""
+    from tknp_megatron.models.precision import DenseFormat
+
+    return DenseFormat(args.transformer_impl, args.fp8_recipe, args.fp8_format)
 
 
 def check_launch(args, shape: str, world: int) -> None:
@@ -82,6 +97,7 @@ def check_flags(args, preset: ModelPreset) -> None:
     if not args.timeout > 0:
         problems.append(f"--timeout {args.timeout}: must be positive (seconds)")
     problems += [f"--{p}" for p in pool_problems(preset, args.nodes, args.tp)]
+    problems += dense_format(args).problems(args.device)
     if args.attention_backend is not None:
         from tknp_megatron.attention import available_backends
 

@@ -79,6 +79,7 @@ def build_report(args, prompts, results, summary, reference, model: str,
         tp=args.tp,
         device=args.device,
         dtype=args.dtype,
+        dense=summary["dense"],
         requests=len(results),
         completed=len(completed),
         rejected=len(rejected),
@@ -89,6 +90,7 @@ def build_report(args, prompts, results, summary, reference, model: str,
         waves=metrics.waves,
         kv_capacity_tokens=list(summary["capacity"]),
         kv_peak_tokens=list(summary["peak"]),
+        weight_gib_stored=[b / 2**30 for b in summary["weight_bytes"]],
         output_tokens=metrics.output_tokens,
         completion_throughput_tok_s=metrics.completion_throughput_tok_s,
         queue_wait_s_mean=metrics.queue_wait_s_mean,
@@ -113,15 +115,17 @@ def print_report(r: dict, show: int = 4) -> None:
     """The summary table, the refusals, and the first ``show`` requests' outputs (text
     with a tokenizer, else token ids)."""
     lines: List[str] = [
-        f"TKNP decode: {r['model']} on {r['nodes']} nodes x TP{r['tp']} ({r['device']}, {r['dtype']})",
+        f"TKNP decode: {r['model']} on {r['nodes']} nodes x TP{r['tp']} ({r['device']}, {r['dtype']}, "
+        f"{r['dense']})",
         f"weights: {r['weights']}",
         r["placement"],
         "",
-        "node  requests  KV peak / capacity (tokens)",
+        "node  requests  KV peak / capacity (tokens)  weights stored (GiB)",
     ]
     for n in range(r["nodes"]):
+        kv = f"{r['kv_peak_tokens'][n]:>6} / {r['kv_capacity_tokens'][n]}"
         lines.append(
-            f"{n:>4}  {r['requests_per_node'][n]:>8}  {r['kv_peak_tokens'][n]:>6} / {r['kv_capacity_tokens'][n]}"
+            f"{n:>4}  {r['requests_per_node'][n]:>8}  {kv:<27}  {r['weight_gib_stored'][n]:.4f}"
         )
     lines += [
         "",

@@ -48,6 +48,7 @@ from job_inputs import (  # noqa: E402
     check_flags,
     check_launch,
     default_kv_budget,
+    dense_format,
     finish_model_flags,
     load_tokenizer,
     make_prompts,
@@ -155,13 +156,19 @@ def run_tknp(job: Job, device: torch.device):
     )
     # a checkpoint: each rank reads only its own blocks
     engine = build_engine(Mode.TKNP, preset, groups, config, device, dtype_from_name(args.dtype),
-                          weights=_weights(job.model, args.seed), padded_vocab=job.model.padded_vocab)
+                          weights=_weights(job.model, args.seed), padded_vocab=job.model.padded_vocab,
+                          dense=dense_format(args))
     bar = _bar(job, groups.is_coordinator, len(job.prompts), "TKNP")
     results = engine.generate(job.prompts, job.sampling(), progress=bar.update if bar else None)
+    stored = [0] * dist.get_world_size()  # every rank's parameter bytes, as allocated
+    dist.all_gather_object(stored, engine.weight_bytes)
     summary = None
     if groups.is_coordinator:
+        per_node = [sum(stored[groups.global_rank(n, t)] for t in range(args.tp))
+                    for n in range(args.nodes)]
         summary = dict(metrics=engine.metrics(), capacity=engine.kv_capacity_tokens,
-                       peak=engine.peak_kv_tokens, placement=engine.placement.describe())
+                       peak=engine.peak_kv_tokens, placement=engine.placement.describe(),
+                       weight_bytes=per_node, dense=dense_format(args).resolved(device).describe())
     _close(bar)
     ps.destroy_model_parallel()
     return results, summary
@@ -173,15 +180,22 @@ def run_reference(job: Job, device: torch.device, accepted: List[int]):
     from megatron.core import parallel_state as mpu
 
     from tknp_megatron.engine.factory import load_weights
-    from tknp_megatron.models.reference import build_reference_model, reference_generate
+    from tknp_megatron.models.reference import (
+        build_reference_model,
+        reference_generate,
+        reference_to_fp8,
+    )
 
     source, args = job.model, job.args
     mpu.initialize_model_parallel(1)
     out = None
     if source.checkpoint or dist.get_rank() == 0:
+        dense = dense_format(args)
         model = build_reference_model(source.preset, dtype_from_name(args.dtype), device,
-                                      vocab_size=source.padded_vocab)
+                                      vocab_size=source.padded_vocab, dense=dense)
         load_weights(model, source.preset, _weights(source, args.seed))
+        if dense.fp8:  # quantized as the TKNP ranks quantize theirs
+            model = reference_to_fp8(model, source.preset)
         if dist.get_rank() == 0:
             bar = _bar(job, True, len(accepted), "reference")
             prompts = [job.prompts[i] for i in accepted]

@@ -44,6 +44,7 @@ warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not inst
 from job_inputs import (  # noqa: E402
     JobError,
     add_model_flags,
+    dense_format,
     check_launch,
     finish_model_flags,
     load_tokenizer,
@@ -116,6 +117,7 @@ def prepare(args) -> ServeJob:
         source = dataclasses.replace(source, preset=source.preset.replace(num_layers=args.layers))
     preset = source.preset
     problems = [f"--{p}" for p in pool_problems(preset, args.nodes, args.tp)]
+    problems += dense_format(args).problems(args.device)
     for flag, value in (("--pools", args.pools), ("--block-size", args.block_size),
                         ("--max-requests-per-node", args.max_requests_per_node)):
         if value < 1:
@@ -173,7 +175,8 @@ def serve_rank(rank: int, world: int, job: ServeJob) -> None:
         attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs,
     )
     engine = build_engine(Mode.TKNP, preset, groups, config, device, dtype_from_name(args.dtype),
-                          weights=source.checkpoint or args.seed, padded_vocab=source.padded_vocab)
+                          weights=source.checkpoint or args.seed, padded_vocab=source.padded_vocab,
+                          dense=dense_format(args))
     tokenizer = server_tokenizer(args.tokenizer, preset.vocab_size)
     object_device = device if device.type == "cuda" else None
     pids = [None] * world

@@ -68,6 +68,15 @@ BAD = [
     (["--load", "{missing}"], "no such directory"),
     (["--tokenizer", "{nothf}"], "not a tokenizer folder"),
     (["--device", "cuda"], "--device cuda: runs under torchrun"),
+    (["--fp8-recipe", "tensorwise"], "--fp8-recipe: Transformer Engine runs on GPUs only (--device cpu)"),
+    (["--fp8-recipe", "delayed"], "--fp8-recipe delayed: not served (its scales come from an amax "
+                                  "history that only training steps update"),
+    (["--fp8-recipe", "mxfp8"], "--fp8-recipe mxfp8: not served (MXFP8 runs on Blackwell GPUs only)"),
+    (["--fp8-recipe", "fp4"], "--fp8-recipe fp4: choose one of tensorwise, blockwise"),
+    (["--fp8-format", "e5m2"], "--fp8-format e5m2: choose one of hybrid, e4m3"),
+    (["--transformer-impl", "te"], "--transformer-impl te: choose one of auto, local, transformer_engine"),
+    (["--transformer-impl", "transformer_engine"],
+     "--transformer-impl transformer_engine: Transformer Engine runs on GPUs only (--device cpu)"),
 ]
 
 

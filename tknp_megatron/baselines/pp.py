@@ -29,6 +29,7 @@ from tknp_megatron.executor.owner_attention import OwnerAttention
 from tknp_megatron.executor.rope import Rope
 from tknp_megatron.executor.step_inputs import prepare_inputs
 from tknp_megatron.executor.tknp import draw_tokens
+from tknp_megatron.models.precision import dense_autocast
 from tknp_megatron.sampling import pack_log_probs, token_log_probs, unpack_log_probs
 from tknp_megatron.kv_cache import PagedKVCache
 from tknp_megatron.plan import Admission, StepPlan, build_plan
@@ -130,7 +131,8 @@ class PPExecutor:
         > 0), its layers, then on to the next stage; the last stage returns the tokens
         ``[R]`` (and logits ``[R, V]``) and sends them to the coordinator."""
         hidden = self._receive_hidden(plan) if self.stage > 0 else None
-        out = self._run(plan, hidden)
+        with dense_autocast(self.model.config, self.groups.tp_group):  # FP8 GEMMs if stored FP8
+            out = self._run(plan, hidden)
         if self.stage < self.num_stages - 1:
             self._send_next(plan, out)
             return None

@@ -36,6 +36,7 @@ from tknp_megatron.executor.ingest import KVIngest
 from tknp_megatron.host_to_device import HostCopy
 from tknp_megatron.kv_cache import BlockAllocator, PagedKVCache
 from tknp_megatron.models.model import StageModel
+from tknp_megatron.models.precision import stored_bytes
 from tknp_megatron.placement import Placement
 from tknp_megatron.plan import StepPlan
 from tknp_megatron.profiler import LoopTiming
@@ -90,6 +91,7 @@ class InferenceEngine(abc.ABC):
     ):
         self.preset, self.placement, self.groups, self.config = preset, placement, groups, config
         self.device, self.clock = device, clock
+        self.weight_bytes = stored_bytes(model)  # this rank's parameters, FP8 ones as stored
         built = self._build_executor(model)
         self.executor, self.kv, self.ingest = built.executor, built.kv, built.ingest
         self.block_counts = list(built.block_counts)  # KV blocks per owning node

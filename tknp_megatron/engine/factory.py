@@ -26,12 +26,13 @@ from tknp_megatron.engine.config import EngineConfig
 from tknp_megatron.engine.engine import TKNPInferenceEngine
 from tknp_megatron.mode import Mode
 from tknp_megatron.models.model import StageModel, build_rank_model
+from tknp_megatron.models.precision import DenseFormat, store_fp8_weights_
 from tknp_megatron.models.weights import fill_seeded_
 from tknp_megatron.placement import Placement, balanced_placement
 
 __all__ = [
-    "Mode", "Weights", "build_engine", "build_model", "engine_config_for", "load_weights",
-    "placement_for",
+    "Mode", "Weights", "build_engine", "build_model", "dense_format_for", "engine_config_for",
+    "load_weights", "placement_for",
 ]
 
 Weights = Union[int, str, os.PathLike, Callable[[torch.nn.Module], None]]
@@ -42,20 +43,41 @@ its own blocks), a callable fills the model itself."""
 _ONE_NODE = (Mode.DP, Mode.TP, Mode.DCP)  # pools of a single node
 
 
-def placement_for(mode: Mode, preset: ModelPreset, groups: TokenParallelGroups) -> Placement:
-    """Layer blocks over the pool's nodes (two copies for ``tknp-dual``)."""
-    return balanced_placement(preset, groups.num_nodes, dual=Mode(mode) is Mode.TKNP_DUAL)
+def placement_for(mode: Mode, preset: ModelPreset, groups: TokenParallelGroups,
+                  dense: DenseFormat = DenseFormat()) -> Placement:
+    """Layer blocks over the pool's nodes (two copies for ``tknp-dual``), balanced by the
+    bytes each node stores (FP8 GEMM weights count one byte per element)."""
+    return balanced_placement(preset, groups.num_nodes, linear_bytes=dense.linear_bytes or 2,
+                              dual=Mode(mode) is Mode.TKNP_DUAL)
+
+
+def dense_format_for(mode: Mode, dense: DenseFormat, device: torch.device) -> DenseFormat:
+    """``dense`` made concrete for ``mode`` on ``device`` (ValueError, one line, if it cannot be).
+
+    DCP's head-structured QKV (:class:`~tknp_megatron.baselines.dcp_qkv.DCPQKVLinear`)
+    replaces the fused norm + QKV layer of Megatron's TE spec, so DCP builds local layers.
+    """
+    if Mode(mode) is Mode.DCP:
+        if dense.fp8 or dense.transformer_impl == "transformer_engine":
+            raise ValueError("mode 'dcp': its head-structured QKV layer has no Transformer Engine "
+                             "or FP8 path; run it with --transformer-impl local and no --fp8-recipe")
+        dense = dataclasses.replace(dense, transformer_impl="local")
+    return dense.resolved(device)
 
 
 def build_model(mode: Mode, preset: ModelPreset, placement: Placement, groups: TokenParallelGroups,
                 dtype: torch.dtype, device: torch.device, *,
-                padded_vocab: Optional[int] = None) -> StageModel:
-    """This rank's blocks, uninitialised (fill them with :func:`load_weights`).
+                padded_vocab: Optional[int] = None,
+                dense: DenseFormat = DenseFormat(transformer_impl="local")) -> StageModel:
+    """This rank's blocks, uninitialised (fill them with :func:`load_weights`; with FP8,
+    then :func:`~tknp_megatron.models.precision.store_fp8_weights_`).
 
     ``padded_vocab`` is a checkpoint's embedding rows (default: Megatron's padding).
     """
+    dense = dense_format_for(mode, dense, device)
     if Mode(mode) is not Mode.DCP:
-        return build_rank_model(preset, placement, groups, dtype, device, vocab_size=padded_vocab)
+        return build_rank_model(preset, placement, groups, dtype, device, vocab_size=padded_vocab,
+                                dense=dense)
     if padded_vocab is not None:
         raise ValueError("the DCP baseline builds Megatron's default vocabulary padding: "
                          "leave padded_vocab unset")
@@ -103,6 +125,7 @@ def build_engine(
     weights: Weights = 0,
     *,
     padded_vocab: Optional[int] = None,
+    dense: DenseFormat = DenseFormat(),
     clock: Callable[[], float] = time.perf_counter,
 ) -> InferenceEngine:
     """This rank's engine of ``mode`` over ``groups`` (collective: every rank calls it).
@@ -116,6 +139,8 @@ def build_engine(
         dtype: parameter (and KV cache) dtype.
         weights: a seed, a checkpoint directory or a loader (:data:`Weights`).
         padded_vocab: a checkpoint's embedding rows, if not Megatron's default padding.
+        dense: local or Transformer Engine layers, FP8 weights or not (default: TE where
+            installed on a GPU, weights in ``dtype``).
         clock: wall clock of request timelines.
     """
     mode = Mode(mode)
@@ -123,9 +148,13 @@ def build_engine(
         raise ValueError(f"mode {mode.value!r} runs pools of one node (token_parallel_size=1), "
                          f"got {groups.num_nodes} nodes")
     engine_config = engine_config_for(mode, config)
-    placement = placement_for(mode, preset, groups)
-    model = build_model(mode, preset, placement, groups, dtype, device, padded_vocab=padded_vocab)
+    dense = dense_format_for(mode, dense, device)
+    placement = placement_for(mode, preset, groups, dense)
+    model = build_model(mode, preset, placement, groups, dtype, device, padded_vocab=padded_vocab,
+                        dense=dense)
     load_weights(model, preset, weights)
+    if dense.fp8:
+        store_fp8_weights_(model)
     if mode is Mode.DCP:
         from tknp_megatron.baselines.dcp import DCPInferenceEngine, init_dcp_groups
 

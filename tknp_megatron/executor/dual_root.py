@@ -29,6 +29,7 @@ from tknp_megatron.executor.base import StepOutput
 from tknp_megatron.executor.dense import finish_layer, qkv_projection
 from tknp_megatron.executor.step_inputs import StepInputs, pad_plan, prepare_inputs
 from tknp_megatron.executor.tknp import TKNPExecutor
+from tknp_megatron.models.precision import dense_autocast
 from tknp_megatron.plan import StepPlan
 
 __all__ = ["DualRootExecutor"]
@@ -53,6 +54,10 @@ class DualRootExecutor(TKNPExecutor):
         if len(plan.microbatches) != 2:
             raise ValueError("DualRootExecutor runs plans built with num_microbatches=2")
         self.apply_admissions(plan.admissions)
+        with dense_autocast(self.model.config, self.groups.tp_group):  # FP8 GEMMs if stored FP8
+            return self._execute(plan)
+
+    def _execute(self, plan: StepPlan) -> StepOutput:
         if (self.graphs is not None and not plan.record_logits and plan.log_probs_top_n < 0
                 and plan.max_query_len == 1):
             self.last_tokens = self.graphs.run(plan, self.last_tokens)

@@ -31,6 +31,7 @@ from tknp_megatron.executor.rope import Rope
 from tknp_megatron.executor.step_inputs import StepInputs, pad_plan, prepare_inputs
 from tknp_megatron.kv_cache import PagedKVCache
 from tknp_megatron.models.model import StageModel
+from tknp_megatron.models.precision import dense_autocast
 from tknp_megatron.placement import Placement
 from tknp_megatron.plan import Admission, StepPlan
 from tknp_megatron.profiler import PhaseTimer
@@ -113,12 +114,13 @@ class TKNPExecutor:
         self.apply_admissions(plan.admissions)
         use_graph = (self.graphs is not None and timer is None and not plan.record_logits
                      and plan.log_probs_top_n < 0)  # graphs replay the tokens-only step
-        if use_graph and plan.max_query_len == 1:
-            out = StepOutput(self.graphs.run(plan, self.last_tokens))
-        else:
-            inputs = prepare_inputs(plan, self.node, self.kv, self.rope, self.device,
-                                    last_tokens=self.last_tokens)
-            out = self.forward(inputs, plan.record_logits, timer, plan.log_probs_top_n)
+        with dense_autocast(self.model.config, self.groups.tp_group):  # FP8 GEMMs if stored FP8
+            if use_graph and plan.max_query_len == 1:
+                out = StepOutput(self.graphs.run(plan, self.last_tokens))
+            else:
+                inputs = prepare_inputs(plan, self.node, self.kv, self.rope, self.device,
+                                        last_tokens=self.last_tokens)
+                out = self.forward(inputs, plan.record_logits, timer, plan.log_probs_top_n)
         self.last_tokens = out.tokens
         return out
 

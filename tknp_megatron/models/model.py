@@ -35,6 +35,7 @@ from megatron.core.transformer.utils import (
 
 from tknp_megatron.config import ModelPreset
 from tknp_megatron.models.norms import ZeroCenteredNorm
+from tknp_megatron.models.precision import DenseFormat
 
 __all__ = [
     "StageModel",
@@ -50,8 +51,9 @@ __all__ = [
 def layer_spec(preset: ModelPreset, use_te: bool = False) -> ModuleSpec:
     """Megatron's GPT layer spec for ``preset``: TE spec when asked, else the local spec.
 
-    The local spec's torch norms refuse zero-centred gamma, so for such presets both the
-    input and pre-MLP norms become :class:`ZeroCenteredNorm`.
+    TE's fused norm + linear layers read the norm type and zero-centred gamma from the
+    config. The local spec's torch norms refuse zero-centred gamma, so for such presets both
+    the input and pre-MLP norms become :class:`ZeroCenteredNorm`.
     """
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
@@ -83,12 +85,8 @@ class _Decoder(MegatronModule):
 
     def __init__(self, config, preset, layers: Sequence[int], post_process, spec, use_te, pgc):
         super().__init__(config=config)
-        self.layers = torch.nn.ModuleDict(
-            {
-                str(g): build_module(spec, config=config, layer_number=g + 1, pg_collection=pgc)
-                for g in layers
-            }
-        )
+        self._spec, self._pgc = spec, pgc
+        self.layers = torch.nn.ModuleDict({str(g): self.build_layer(g) for g in layers})
         if post_process:
             self.final_layernorm = build_module(
                 final_norm_spec(preset, use_te),
@@ -98,6 +96,10 @@ class _Decoder(MegatronModule):
             )
         else:
             self.final_layernorm = None
+
+    def build_layer(self, g: int):
+        """A new, uninitialised ``TransformerLayer`` for global layer ``g`` (0-based)."""
+        return build_module(self._spec, config=self.config, layer_number=g + 1, pg_collection=self._pgc)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """Same keys as ``TransformerBlock.sharded_state_dict`` (layers stacked on axis 0)."""
@@ -157,6 +159,8 @@ class StageModel(MegatronModule):
                 tp_group=pgc.tp,
             )
         spec = layer_spec(preset, use_te)
+        if use_te:  # the owners' paged attention replaces core attention: TE's would never run
+            spec.submodules.self_attention.submodules.core_attention = _LOCAL_CORE_ATTENTION
         self.decoder = _Decoder(config, preset, self.layer_ids, post_process, spec, use_te, pgc)
         self.output_layer = None
         if post_process:
@@ -189,6 +193,9 @@ class StageModel(MegatronModule):
                 head = _tied_to_embedding(head, prefix)
             out.update(head)
         return out
+
+
+_LOCAL_CORE_ATTENTION = gpt_layer_specs.get_gpt_layer_local_spec().submodules.self_attention.submodules.core_attention
 
 
 def _tied_to_embedding(head: dict, prefix: str) -> dict:
@@ -240,24 +247,33 @@ def build_stage_model(
     tp: int,
     params_dtype: torch.dtype,
     device: torch.device,
-    use_te: bool = False,
+    dense: DenseFormat = DenseFormat(transformer_impl="local"),
     vocab_size: Optional[int] = None,
     **config_overrides,
 ) -> StageModel:
-    """Build the stored part on the meta device, then allocate it on ``device``.
+    """Build the stored part, uninitialised, on ``device``.
 
-    Parameters are uninitialised: fill them from a checkpoint or :mod:`tknp_megatron.models.weights`.
-    ``vocab_size`` is the checkpoint's embedding rows, if any (see :func:`served_vocab_size`).
+    Local modules are built on the meta device and then allocated; TE modules allocate on
+    the GPU themselves (Megatron passes them the device). Fill the parameters from a
+    checkpoint or :mod:`tknp_megatron.models.weights`; with an FP8 ``dense`` format, then call
+    :func:`tknp_megatron.models.precision.store_fp8_weights_`. ``vocab_size`` is the
+    checkpoint's embedding rows, if any (see :func:`served_vocab_size`).
     """
+    dense = dense.resolved(device)
     config = preset.to_transformer_config(
         tensor_model_parallel_size=tp,
         params_dtype=params_dtype,
         use_cpu_initialization=device.type == "cpu",
+        **dense.config_overrides(),
         **config_overrides,
     )
     vocab = served_vocab_size(preset, tp, vocab_size)
+    if dense.use_te:
+        with torch.device(device):
+            model = StageModel(preset, config, layers, pre_process, post_process, vocab, True)
+        return model.eval()
     with torch.device("meta"):
-        model = StageModel(preset, config, layers, pre_process, post_process, vocab, use_te)
+        model = StageModel(preset, config, layers, pre_process, post_process, vocab, False)
     model = model.to_empty(device=device)
     return model.eval()
 
@@ -268,7 +284,7 @@ def build_rank_model(
     groups,
     params_dtype: torch.dtype,
     device: torch.device,
-    use_te: bool = False,
+    dense: DenseFormat = DenseFormat(transformer_impl="local"),
     **config_overrides,
 ) -> StageModel:
     """The blocks ``placement`` assigns to this rank's node, TP-sharded over the node."""
@@ -281,6 +297,6 @@ def build_rank_model(
         tp=groups.tp_size,
         params_dtype=params_dtype,
         device=device,
-        use_te=use_te,
+        dense=dense,
         **config_overrides,
     )

@@ -14,15 +14,17 @@ from typing import List, Optional, Sequence
 
 import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from tknp_megatron.config import ModelPreset
 from tknp_megatron.executor.rope import Rope
 from tknp_megatron.models.cpu_shims import SDPACoreAttention
 from tknp_megatron.models.model import final_norm_spec, layer_spec, padded_vocab_size
+from tknp_megatron.models.precision import DenseFormat, store_fp8_weights_
 from tknp_megatron.sampling import SamplingParams, sample
 
-__all__ = ["ReferenceOutput", "build_reference_model", "reference_generate"]
+__all__ = ["ReferenceOutput", "build_reference_model", "reference_generate", "reference_to_fp8"]
 
 
 @dataclass(frozen=True)
@@ -39,18 +41,25 @@ def build_reference_model(
     device=torch.device("cpu"),
     vocab_size: Optional[int] = None,
     tp: int = 1,
+    dense: DenseFormat = DenseFormat(transformer_impl="local"),
 ) -> GPTModel:
-    """A full Megatron ``GPTModel`` (uninitialised; fill or load it), TP=1 unless ``tp``
-    says otherwise (tests save checkpoints at other TP sizes with it).
+    """A full Megatron ``GPTModel`` (uninitialised; fill or load it, then with FP8 call
+    :func:`reference_to_fp8`), TP=1 unless ``tp`` says otherwise (tests save checkpoints at
+    other TP sizes with it).
 
     ``vocab_size`` overrides the padded vocabulary (a checkpoint's embedding rows).
+    ``dense`` picks Megatron's local spec (core attention: the CPU-capable SDPA shim) or
+    its TE spec with TE's own core attention, and the FP8 config.
     Needs ``megatron.core.parallel_state`` initialised with TP = ``tp``, PP = 1.
     """
-    config = preset.to_transformer_config(tp, params_dtype, use_cpu_initialization=True)
-    spec = layer_spec(preset)
-    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    dense = dense.resolved(torch.device(device))
+    config = preset.to_transformer_config(tp, params_dtype, use_cpu_initialization=not dense.use_te,
+                                          **dense.config_overrides())
+    spec = layer_spec(preset, dense.use_te)
+    if not dense.use_te:
+        spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     block = TransformerBlockSubmodules(
-        layer_specs=[spec] * preset.num_layers, layer_norm=final_norm_spec(preset, False)
+        layer_specs=[spec] * preset.num_layers, layer_norm=final_norm_spec(preset, dense.use_te)
     )
     model = GPTModel(
         config,
@@ -65,6 +74,20 @@ def build_reference_model(
         share_embeddings_and_output_weights=preset.gpt.share_embeddings_and_output_weights,
     )
     return model.to(device).eval()
+
+
+def reference_to_fp8(model: GPTModel, preset: ModelPreset) -> GPTModel:
+    """A loaded TE-spec reference with FP8-stored GEMM weights, quantized exactly as a
+    TKNP rank's (:func:`~tknp_megatron.models.precision.store_fp8_weights_`); its decoder
+    then runs them under Megatron's own FP8 context."""
+    decoder, spec = model.decoder, layer_spec(preset, use_te=True)
+
+    def build_layer(i: int):
+        return build_module(spec, config=model.config, layer_number=i + 1,
+                            pg_collection=decoder.pg_collection)
+
+    store_fp8_weights_(model, decoder.layers, build_layer)
+    return model
 
 
 @torch.no_grad()

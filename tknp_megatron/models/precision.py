@@ -1,0 +1,216 @@
+"""How the root's dense layers are built: Megatron's local modules or Transformer Engine's,
+with weights in the run's dtype or stored in FP8.
+
+The same three choices Megatron-LM offers its models, under its names:
+
+* ``transformer_impl``: ``local`` (Megatron's local layer spec: torch norms and linears, the
+  path on CPU and in CI) or ``transformer_engine`` (Megatron's TE layer spec: the input norm
+  fused into the QKV GEMM, the pre-MLP norm into FC1, TE's row-parallel linears); ``auto``
+  takes TE where it is installed and the run is on a GPU.
+* ``fp8_recipe``: ``None`` keeps the weights in the run's dtype; a Megatron FP8 recipe
+  stores the GEMM weights of every transformer layer in FP8 (Megatron's ``fp8_param``) and
+  runs those GEMMs in FP8 under TE's autocast. On decode the dense work is bound by reading
+  weights, so half the bytes is about half the time, and the freed memory becomes KV cache.
+* ``fp8_format``: ``hybrid`` or ``e4m3`` (Megatron's ``--fp8-format``; a forward pass uses
+  E4M3 in both).
+
+What stays in the run's dtype (the paper's "selected parameters retained in BF16"): the
+embedding and the output layer (vocabulary-sized, precision-sensitive, and read once per
+token rather than once per layer), every norm weight and bias, and the KV cache. Only the
+four GEMM weights of each layer (QKV, attention output, FC1, FC2) are FP8.
+
+Recipes served: ``tensorwise`` (per-tensor current scaling: each weight quantized once at
+load with its own amax, each activation with the amax of its batch) and ``blockwise``
+(128-wide blocks, each with its own scale). Refused, with the reason: ``delayed`` (its scales
+come from an amax history that only training steps update, so inference would quantize with
+the initial scale of 1) and ``mxfp8`` (Blackwell only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+__all__ = [
+    "FP8_FORMATS", "FP8_RECIPES", "TRANSFORMER_IMPLS", "DenseFormat", "dense_autocast",
+    "store_fp8_weights_", "stored_bytes", "te_installed",
+]
+
+TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
+FP8_RECIPES = ("tensorwise", "blockwise")
+FP8_FORMATS = ("hybrid", "e4m3")
+_REFUSED_RECIPES = {
+    "delayed": "its scales come from an amax history that only training steps update, so "
+               "inference would quantize with the initial scale",
+    "mxfp8": "MXFP8 runs on Blackwell GPUs only",
+}
+
+
+def te_installed() -> bool:
+    """Whether Transformer Engine's PyTorch package can be found (not imported: that
+    loads CUDA libraries)."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+@dataclass(frozen=True)
+class DenseFormat:
+    """How this pool builds its dense layers (see the module docstring).
+
+    Attributes:
+        transformer_impl: ``auto``, ``local`` or ``transformer_engine``.
+        fp8_recipe: None, or a recipe of :data:`FP8_RECIPES` (needs TE and a GPU).
+        fp8_format: ``hybrid`` or ``e4m3``.
+    """
+
+    transformer_impl: str = "auto"
+    fp8_recipe: Optional[str] = None
+    fp8_format: str = "hybrid"
+
+    def problems(self, device_type: str) -> List[str]:
+        """One line per choice this run cannot make on ``device_type`` ("cpu" / "cuda"),
+        naming the flag: what launchers print before any process starts."""
+        out = []
+        if self.transformer_impl not in TRANSFORMER_IMPLS:
+            out.append(f"--transformer-impl {self.transformer_impl}: choose one of "
+                       f"{', '.join(TRANSFORMER_IMPLS)}")
+        if self.fp8_format not in FP8_FORMATS:
+            out.append(f"--fp8-format {self.fp8_format}: choose one of {', '.join(FP8_FORMATS)}")
+        if self.fp8_recipe in _REFUSED_RECIPES:
+            out.append(f"--fp8-recipe {self.fp8_recipe}: not served ({_REFUSED_RECIPES[self.fp8_recipe]}); "
+                       f"choose one of {', '.join(FP8_RECIPES)}")
+        elif self.fp8_recipe is not None and self.fp8_recipe not in FP8_RECIPES:
+            out.append(f"--fp8-recipe {self.fp8_recipe}: choose one of {', '.join(FP8_RECIPES)}")
+        wants_te = self.transformer_impl == "transformer_engine" or self.fp8_recipe is not None
+        if wants_te and device_type != "cuda":
+            what = "--fp8-recipe" if self.fp8_recipe is not None else "--transformer-impl transformer_engine"
+            out.append(f"{what}: Transformer Engine runs on GPUs only (--device {device_type})")
+        elif wants_te and not te_installed():
+            what = "--fp8-recipe" if self.fp8_recipe is not None else "--transformer-impl transformer_engine"
+            out.append(f"{what}: Transformer Engine is not installed (pip install transformer-engine[pytorch])")
+        if self.fp8_recipe is not None and self.transformer_impl == "local":
+            out.append(f"--fp8-recipe {self.fp8_recipe}: FP8 layers are Transformer Engine's; "
+                       "not with --transformer-impl local")
+        return out
+
+    def resolved(self, device: torch.device) -> "DenseFormat":
+        """``auto`` made concrete for ``device``; raises ValueError on any :meth:`problems`."""
+        problems = self.problems(device.type)
+        if problems:
+            raise ValueError("; ".join(problems))
+        impl = self.transformer_impl
+        if impl == "auto":
+            use_te = self.fp8_recipe is not None or (device.type == "cuda" and te_installed())
+            impl = "transformer_engine" if use_te else "local"
+        return dataclasses.replace(self, transformer_impl=impl)
+
+    @property
+    def use_te(self) -> bool:
+        """Megatron's TE layer spec (after :meth:`resolved`)."""
+        return self.transformer_impl == "transformer_engine"
+
+    @property
+    def fp8(self) -> bool:
+        return self.fp8_recipe is not None
+
+    @property
+    def linear_bytes(self) -> Optional[int]:
+        """Bytes of a stored GEMM weight element, when not the run's dtype (FP8: 1)."""
+        return 1 if self.fp8 else None
+
+    def config_overrides(self) -> dict:
+        """Megatron ``TransformerConfig`` fields for this format. The layers are built with
+        ``fp8_param`` off and their weights quantized after loading (see
+        :func:`tknp_megatron.models.model.store_fp8_weights_`)."""
+        if not self.fp8:
+            return {}
+        return dict(fp8=self.fp8_format, fp8_recipe=self.fp8_recipe, fp8_param=False)
+
+    def describe(self) -> str:
+        impl = "TE" if self.use_te else "local"
+        return f"{impl} layers, FP8 {self.fp8_recipe} weights" if self.fp8 else f"{impl} layers"
+
+
+def dense_autocast(config, tp_group=None):
+    """TE's autocast for the dense work of a step when ``config`` (a Megatron
+    ``TransformerConfig``) asks for FP8, else a null context.
+
+    The recipe is Megatron's (``megatron.core.fp8_utils.get_fp8_recipe``); amaxes are reduced
+    over the node's TP group, the ranks that run the same GEMMs.
+    """
+    if not getattr(config, "fp8", None):
+        return nullcontext()
+    import transformer_engine.pytorch as te
+    from megatron.core.fp8_utils import get_fp8_recipe
+
+    recipe = get_fp8_recipe(config)
+    if hasattr(te, "autocast"):  # TE >= 2.8; fp8_autocast warns on every call there
+        return te.autocast(enabled=True, recipe=recipe, amax_reduction_group=tp_group)
+    return te.fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=tp_group)
+
+
+@torch.no_grad()
+def store_fp8_weights_(model, layers=None, build_layer=None) -> None:
+    """Quantize a loaded model's transformer layers to FP8-stored GEMM weights, one layer
+    at a time.
+
+    Each layer is rebuilt under Megatron's FP8 parameter context (TE's
+    ``quantized_model_init``: its GEMM weights are FP8 tensors, no high-precision copy) and
+    loaded from the loaded layer, which is then freed: copying a whole weight into an FP8
+    parameter quantizes it with the recipe (``tensorwise``: one scale from the weight's
+    amax). So any weight source (seed, Megatron checkpoint, Hugging Face folder) loads as
+    before, and the rank's memory never holds more than its block in the run's dtype plus
+    one layer. The embedding, output layer, norms and biases stay as loaded.
+
+    Last, Megatron's ``prepare_model_for_fp8_inference`` wraps the TE linears so a batch
+    whose row count is not a multiple of 16 (FP8 GEMMs need one) is padded and unpadded.
+
+    Args:
+        model: a loaded :class:`~tknp_megatron.models.model.StageModel` (or, with the
+            next two arguments, a Megatron ``GPTModel``) built with TE layers and an FP8
+            config (:meth:`DenseFormat.config_overrides`).
+        layers: the ``ModuleDict`` (keyed by global layer index) or ``ModuleList`` (indexed
+            by it) of its layers; default ``model.decoder.layers``.
+        build_layer: global layer index -> a new, uninitialised layer; default
+            ``model.decoder.build_layer``.
+    """
+    from megatron.core.fp8_utils import get_fp8_context, prepare_model_for_fp8_inference
+
+    layers = model.decoder.layers if layers is None else layers
+    build_layer = model.decoder.build_layer if build_layer is None else build_layer
+    config = dataclasses.replace(model.config, fp8_param=True)
+    keys = list(layers.keys()) if isinstance(layers, torch.nn.ModuleDict) else range(len(layers))
+    for key in keys:
+        loaded = layers[key]
+        with get_fp8_context(config, int(key), is_init=True):
+            layer = build_layer(int(key))
+        state = {k: v for k, v in loaded.state_dict().items() if not k.endswith("_extra_state")}
+        result = layer.load_state_dict(state, strict=False)
+        missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+        if missing or result.unexpected_keys:
+            raise RuntimeError(f"layer {key}: FP8 rebuild does not match the loaded layer "
+                               f"(missing {missing}, unexpected {result.unexpected_keys})")
+        layers[key] = layer.eval()
+        del loaded, state
+    prepare_model_for_fp8_inference(model)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the loaded layers' memory goes back to the KV cache
+
+
+def stored_bytes(module: torch.nn.Module) -> int:
+    """Bytes ``module``'s parameters hold on their device. An FP8 parameter (a TE quantized
+    tensor, which presents itself as its high-precision dtype) counts the plain tensors it
+    holds: FP8 data, a transpose if kept, scales."""
+    total = 0
+    for p in module.parameters():
+        data = p.data
+        if type(data) is torch.Tensor:
+            total += data.numel() * data.element_size()
+        else:
+            total += sum(t.numel() * t.element_size() for t in vars(data).values()
+                         if type(t) is torch.Tensor)
+    return total
