@@ -73,7 +73,8 @@ def test_stored_bytes_counts_what_parameters_hold():
 
 def test_check_fp8_script_runs_on_cpu(tmp_path):
     """The GPU check's own code path off GPU (local layers only): TKNP's first tokens and
-    logits against Megatron's GPTModel in fp32, as the GPU run compares each format."""
+    logits against Megatron's GPTModel in fp32, as the GPU run compares each format, and
+    every mode's tokens against TKNP's."""
     import json
     import subprocess
     import sys
@@ -82,9 +83,13 @@ def test_check_fp8_script_runs_on_cpu(tmp_path):
     out = tmp_path / "check.json"
     proc = subprocess.run(
         [sys.executable, "-m", "tknp_megatron.tools.check_fp8", "--device", "cpu", "--model", "tiny",
-         "--layers", "2", "--requests", "4", "--prompt-len", "8", "--output-len", "3", "--out", str(out)],
+         "--layers", "2", "--requests", "4", "--prompt-len", "8", "--output-len", "3",
+         "--parts", "tokens", "modes", "--out", str(out)],
         cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (row,) = json.loads(out.read_text())["tokens"]
+    report = json.loads(out.read_text())
+    (row,) = report["tokens"]
     assert row["format"] == "local" and row["megatron_first_token_agreement"] == 1.0
     assert row["megatron_first_logit_max_diff"] < 1e-4
+    modes = {r["mode"]: r["vs_tknp_eager"]["token_agreement"] for r in report["modes"]}
+    assert modes == {"tknp": 1.0, "dp": 1.0, "tp": 1.0, "pp": 1.0}

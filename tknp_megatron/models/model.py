@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 
-def layer_spec(preset: ModelPreset, use_te: bool = False) -> ModuleSpec:
+def layer_spec(preset: ModelPreset, use_te: bool = False, te_fused_mlp: bool = False) -> ModuleSpec:
     """Megatron's GPT layer spec for ``preset``: TE spec when asked, else the local spec.
 
     TE's fused norm + linear layers read the norm type and zero-centred gamma from the
@@ -56,7 +56,7 @@ def layer_spec(preset: ModelPreset, use_te: bool = False) -> ModuleSpec:
     the input and pre-MLP norms become :class:`ZeroCenteredNorm`.
     """
     if use_te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(use_te_op_fuser=te_fused_mlp)
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=preset.normalization)
     if preset.zero_centered_gamma:
         spec.submodules.input_layernorm = ZeroCenteredNorm
@@ -140,6 +140,7 @@ class StageModel(MegatronModule):
         post_process: bool,
         padded_vocab_size: int,
         use_te: bool = False,
+        te_fused_mlp: bool = False,
     ):
         super().__init__(config=config)
         pgc = ProcessGroupCollection.use_mpu_process_groups()
@@ -158,7 +159,7 @@ class StageModel(MegatronModule):
                 scatter_to_sequence_parallel=False,
                 tp_group=pgc.tp,
             )
-        spec = layer_spec(preset, use_te)
+        spec = layer_spec(preset, use_te, te_fused_mlp)
         if use_te:  # the owners' paged attention replaces core attention: TE's would never run
             spec.submodules.self_attention.submodules.core_attention = _LOCAL_CORE_ATTENTION
         self.decoder = _Decoder(config, preset, self.layer_ids, post_process, spec, use_te, pgc)
@@ -270,7 +271,8 @@ def build_stage_model(
     vocab = served_vocab_size(preset, tp, vocab_size)
     if dense.use_te:
         with torch.device(device):
-            model = StageModel(preset, config, layers, pre_process, post_process, vocab, True)
+            model = StageModel(preset, config, layers, pre_process, post_process, vocab, True,
+                               dense.te_fused_mlp)
         return model.eval()
     with torch.device("meta"):
         model = StageModel(preset, config, layers, pre_process, post_process, vocab, False)

@@ -65,11 +65,16 @@ class DenseFormat:
         transformer_impl: ``auto``, ``local`` or ``transformer_engine``.
         fp8_recipe: None, or a recipe of :data:`FP8_RECIPES` (needs TE and a GPU).
         fp8_format: ``hybrid`` or ``e4m3``.
+        te_fused_mlp: the MLP as TE's operation-based fused MLP (Megatron's
+            ``use_te_op_fuser``: norm, FC1, activation and FC2 as one fusible sequence);
+            measured by ``tknp_megatron.tools.check_fp8``, not yet served (its GEMMs are not
+            padded to FP8's row multiple).
     """
 
     transformer_impl: str = "auto"
     fp8_recipe: Optional[str] = None
     fp8_format: str = "hybrid"
+    te_fused_mlp: bool = False
 
     def problems(self, device_type: str) -> List[str]:
         """One line per choice this run cannot make on ``device_type`` ("cpu" / "cuda"),

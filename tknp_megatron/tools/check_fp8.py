@@ -22,8 +22,11 @@ tensorwise / blockwise). Three parts, each printed as a table and written to ``-
    projection, residual, norm + MLP; attention excluded) at each ``--batches``, captured in
    a CUDA graph, per format: microseconds and the ratio to ``te``.
 
-``--device cpu`` runs part 1 with ``--formats local`` only (a smoke test of this script:
-Transformer Engine needs a GPU).
+``--parts modes`` also runs every mode that fits one GPU (TKNP, DP, TP, PP) with the last
+format, CUDA graphs on. ``--load`` and ``--expected`` serve a checkpoint (e.g. a trained
+model) and given prompts, and compare with given tokens (e.g. ``transformers``' greedy).
+``--device cpu`` runs parts 1 and modes with ``--formats local`` only (a smoke test of this
+script: Transformer Engine needs a GPU).
 """
 
 from __future__ import annotations
@@ -47,12 +50,14 @@ FORMATS: Dict[str, DenseFormat] = {
     "te": DenseFormat("transformer_engine"),
     "fp8": DenseFormat("transformer_engine", "tensorwise"),
     "fp8-blockwise": DenseFormat("transformer_engine", "blockwise"),
+    "fp8-fused-mlp": DenseFormat("transformer_engine", "tensorwise", te_fused_mlp=True),
 }
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    p.add_argument("--formats", nargs="+", default=["local", "te", "fp8", "fp8-blockwise"],
+                   choices=list(FORMATS))
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     p.add_argument("--model", default="llama3.1-8b")
     p.add_argument("--layers", type=int, default=4)
@@ -60,6 +65,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--load", default=None, metavar="DIR",
+                   help="parts 1 and modes: a Megatron checkpoint (e.g. a trained model) instead of seeded weights")
+    p.add_argument("--expected", default=None, metavar="FILE",
+                   help='parts 1 and modes: {"prompts": [[ids]], "tokens": [[ids]]} (e.g. transformers\' '
+                        "greedy tokens): serve these prompts, as many tokens as expected, and compare")
     p.add_argument("--capacity-model", default="llama3.1-70b")
     p.add_argument("--capacity-layers", type=int, default=12)
     p.add_argument("--gpu-memory-cap-gib", type=float, default=34.6)
@@ -67,11 +77,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batches", type=int, nargs="+", default=[16, 64, 128])
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--parts", nargs="+", default=["tokens", "memory", "speed"],
-                   choices=("tokens", "memory", "speed"))
+                   choices=("tokens", "modes", "memory", "speed"))
     p.add_argument("--out", default=None, metavar="FILE")
     args = p.parse_args(argv)
     if args.device == "cpu":
-        args.formats, args.parts = ["local"], ["tokens"]
+        args.formats = ["local"]
+        args.parts = [p for p in args.parts if p in ("tokens", "modes")]
     return args
 
 
@@ -83,18 +94,48 @@ def _free(device: torch.device) -> None:
 
 
 # --------------------------------------------------------------------------- part 1
-def _engine_tokens(preset, groups, fmt, device, dtype, args, prompts, cuda_graphs=False):
-    """``(tokens per request, [R, vocab] first-token logits or None)`` of a TKNP engine."""
+class _Work:
+    """What part 1 serves: the model (preset, weights) and the requests."""
+
+    def __init__(self, args):
+        from tknp_megatron.config import get_preset
+        from tknp_megatron.models.source import resolve_source
+
+        self.expected = None
+        if args.load:
+            source = resolve_source(load=args.load)
+            self.preset, self.weights, self.padded_vocab = source.preset, source.checkpoint, source.padded_vocab
+            self.name = f"{args.load} (trained)"
+        else:
+            self.preset = get_preset(args.model).replace(num_layers=args.layers)
+            self.weights, self.padded_vocab = args.seed, None
+            self.name = f"{args.model} x {args.layers} layers (seeded random weights)"
+        if args.expected:
+            with open(args.expected, encoding="utf-8") as f:
+                data = json.load(f)
+            self.prompts, self.expected = data["prompts"], data["tokens"]
+            self.lengths = [len(t) for t in self.expected]
+        else:
+            gen = torch.Generator().manual_seed(args.seed)
+            self.prompts = torch.randint(0, self.preset.vocab_size, (args.requests, args.prompt_len),
+                                         generator=gen).tolist()
+            self.lengths = [args.output_len] * args.requests
+
+
+def _engine_tokens(work: _Work, mode, groups, fmt, device, dtype, args, cuda_graphs=False):
+    """``(tokens per request, [R, vocab] first-token logits or None)`` of ``mode``'s engine."""
     from tknp_megatron.engine.config import EngineConfig
-    from tknp_megatron.engine.factory import Mode, build_engine
+    from tknp_megatron.engine.factory import build_engine
     from tknp_megatron.sampling import SamplingParams
 
-    kv = None if device.type == "cuda" else args.requests * (args.prompt_len + args.output_len)
+    kv = None
+    if device.type != "cuda":
+        kv = sum(len(p) + n for p, n in zip(work.prompts, work.lengths))
     config = EngineConfig(kv_tokens_per_node=kv, gpu_memory_cap_gib=args.gpu_memory_cap_gib,
                           record_logits=not cuda_graphs, cuda_graphs=cuda_graphs)
-    engine = build_engine(Mode.TKNP, preset, groups, config, device, dtype, weights=args.seed,
-                          dense=fmt)
-    results = engine.generate(prompts, SamplingParams(max_new_tokens=args.output_len))
+    engine = build_engine(mode, work.preset, groups, config, device, dtype, weights=work.weights,
+                          padded_vocab=work.padded_vocab, dense=fmt)
+    results = engine.generate(work.prompts, [SamplingParams(max_new_tokens=n) for n in work.lengths])
     tokens = [list(r.tokens) for r in results]
     first = None if cuda_graphs else torch.stack([r.logits[0] for r in results]).float().cpu()
     del engine, results
@@ -102,29 +143,37 @@ def _engine_tokens(preset, groups, fmt, device, dtype, args, prompts, cuda_graph
     return tokens, first
 
 
-def _megatron_first_logits(preset, fmt, device, dtype, args, prompts) -> torch.Tensor:
+def _megatron_first_logits(work: _Work, fmt, device, dtype) -> torch.Tensor:
     """``[R, vocab]``: Megatron's own GPTModel (this format's spec and weights), the last
-    prompt position's logits, all prompts in one forward."""
+    prompt position's logits, prompts of one length in one forward."""
     from megatron.core import parallel_state as mpu
 
     from tknp_megatron.engine.factory import load_weights
     from tknp_megatron.executor.rope import Rope
     from tknp_megatron.models.reference import build_reference_model, reference_to_fp8
 
+    preset = work.preset
     mpu.initialize_model_parallel(1)
-    model = build_reference_model(preset, dtype, device, dense=fmt)
-    load_weights(model, preset, args.seed)
+    model = build_reference_model(preset, dtype, device, vocab_size=work.padded_vocab, dense=fmt)
+    load_weights(model, preset, work.weights)
     if fmt.fp8:
         model = reference_to_fp8(model, preset)
+    rope = Rope(preset, model.config, device)
+    out = torch.empty(len(work.prompts), preset.vocab_size)
+    by_length: Dict[int, List[int]] = {}
+    for i, p in enumerate(work.prompts):
+        by_length.setdefault(len(p), []).append(i)
     with torch.no_grad():
-        ids = torch.tensor(prompts, device=device)  # [R, S]
-        hidden = model.embedding(ids, position_ids=None)  # [S, R, h]
-        freqs = Rope(preset, model.config, device).freqs(torch.arange(ids.shape[1], device=device))
-        hidden = model.decoder(hidden, attention_mask=None, rotary_pos_emb=freqs)
-        weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
-        logits, _ = model.output_layer(hidden[-1:], weight=weight)  # [1, R, V]
-    out = logits[0, :, : preset.vocab_size].float().cpu()
-    del model, hidden, logits
+        for length, rows in by_length.items():
+            ids = torch.tensor([work.prompts[i] for i in rows], device=device)  # [r, S]
+            hidden = model.embedding(ids, position_ids=None)  # [S, r, h]
+            freqs = rope.freqs(torch.arange(length, device=device))
+            hidden = model.decoder(hidden, attention_mask=None, rotary_pos_emb=freqs)
+            tied = model.share_embeddings_and_output_weights
+            weight = model.shared_embedding_or_output_weight() if tied else None
+            logits, _ = model.output_layer(hidden[-1:], weight=weight)  # [1, r, V]
+            out[rows] = logits[0, :, : preset.vocab_size].float().cpu()
+    del model
     mpu.destroy_model_parallel()
     _free(device)
     return out
@@ -139,36 +188,68 @@ def _agreement(a: List[List[int]], b: List[List[int]]) -> dict:
 
 def tokens_part(args, device, dtype) -> List[dict]:
     import parallel_state as ps
-    from tknp_megatron.config import get_preset
+    from tknp_megatron.mode import Mode
 
-    preset = get_preset(args.model).replace(num_layers=args.layers)
-    gen = torch.Generator().manual_seed(args.seed)
-    prompts = torch.randint(0, preset.vocab_size, (args.requests, args.prompt_len), generator=gen).tolist()
+    work = _Work(args)
     rows, base = [], None
     for name in args.formats:
         fmt = FORMATS[name]
+        row = dict(format=name, dense=fmt.resolved(device).describe(), model=work.name)
         groups = ps.initialize_model_parallel(tensor_model_parallel_size=1)
-        tokens, first = _engine_tokens(preset, groups, fmt, device, dtype, args, prompts)
-        graphed = None
-        if fmt.fp8:
-            graphed, _ = _engine_tokens(preset, groups, fmt, device, dtype, args, prompts, cuda_graphs=True)
+        try:
+            tokens, first = _engine_tokens(work, Mode.TKNP, groups, fmt, device, dtype, args)
+            graphed = None
+            if fmt.fp8:
+                graphed, _ = _engine_tokens(work, Mode.TKNP, groups, fmt, device, dtype, args, cuda_graphs=True)
+        except Exception as err:  # noqa: BLE001 - a format this model cannot take: say so, go on
+            rows.append(dict(row, error=f"{type(err).__name__}: {str(err)[:300]}"))
+            print(json.dumps(rows[-1]), flush=True)
+            ps.destroy_model_parallel()
+            _free(device)
+            continue
         ps.destroy_model_parallel()
-        row = dict(format=name, dense=fmt.resolved(device).describe())
-        ref = _megatron_first_logits(preset, fmt, device, dtype, args, prompts)  # same format
+        ref = _megatron_first_logits(work, fmt, device, dtype)  # Megatron's model, same format
         row.update(megatron_first_token_agreement=float((ref.argmax(-1) == first.argmax(-1)).float().mean()),
                    megatron_first_logit_max_diff=float((ref - first).abs().max()))
+        if work.expected is not None:
+            row["vs_expected"] = _agreement(tokens, work.expected)
         if graphed is not None:
             row["graphs_vs_eager"] = _agreement(graphed, tokens)["token_agreement"]
         if base is None:
             base = (tokens, first)
         else:
             diff = (first - base[1]).abs()
-            row.update(vs_local=_agreement(tokens, base[0]),
-                       vs_local_first_logit_max_diff=float(diff.max()),
-                       vs_local_first_logit_mean_diff=float(diff.mean()))
+            row.update(vs_first_format=_agreement(tokens, base[0]),
+                       vs_first_format_logit_max_diff=float(diff.max()),
+                       vs_first_format_logit_mean_diff=float(diff.mean()))
         row["tokens"] = tokens
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "tokens"}), flush=True)
+    return rows
+
+
+def modes_part(args, device, dtype) -> List[dict]:
+    """Every mode that fits one GPU (TKNP, DP, TP, PP as one pool of one rank) with the last
+    of ``--formats`` and CUDA graphs where the mode takes them: its tokens against TKNP's
+    eager tokens (and the expected tokens, if given)."""
+    import parallel_state as ps
+    from tknp_megatron.mode import Mode
+
+    work = _Work(args)
+    fmt = FORMATS[args.formats[-1]]
+    rows, base = [], None
+    for mode in (Mode.TKNP, Mode.DP, Mode.TP, Mode.PP):
+        groups = ps.initialize_model_parallel(tensor_model_parallel_size=1)
+        if base is None:
+            base, _ = _engine_tokens(work, Mode.TKNP, groups, fmt, device, dtype, args)
+        tokens, _ = _engine_tokens(work, mode, groups, fmt, device, dtype, args,
+                                   cuda_graphs=device.type == "cuda")
+        ps.destroy_model_parallel()
+        row = dict(mode=mode.value, format=args.formats[-1], vs_tknp_eager=_agreement(tokens, base))
+        if work.expected is not None:
+            row["vs_expected"] = _agreement(tokens, work.expected)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     return rows
 
 
@@ -254,7 +335,7 @@ def speed_part(args, device, dtype) -> List[dict]:
             rows.append(dict(format=name, model=args.dense_model, batch=b, us=statistics.median(times)))
             print(json.dumps(rows[-1]), flush=True)
             del graph
-        del model, block
+        del model
         ps.destroy_model_parallel()
         _free(device)
     te = {r["batch"]: r["us"] for r in rows if r["format"] == "te"}
@@ -276,7 +357,7 @@ def main(argv=None) -> int:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    parts = dict(tokens=tokens_part, memory=memory_part, speed=speed_part)
+    parts = dict(tokens=tokens_part, modes=modes_part, memory=memory_part, speed=speed_part)
     out = {}
     for part in args.parts:
         try:
