@@ -67,8 +67,8 @@ class DenseFormat:
         fp8_format: ``hybrid`` or ``e4m3``.
         te_fused_mlp: the MLP as TE's operation-based fused MLP (Megatron's
             ``use_te_op_fuser``: norm, FC1, activation and FC2 as one fusible sequence);
-            measured by ``tknp_megatron.tools.check_fp8``, not yet served (its GEMMs are not
-            padded to FP8's row multiple).
+            measured by ``tknp_megatron.tools.check_fp8``; FP8 batches are padded to 16
+            rows around it as around every TE linear.
     """
 
     transformer_impl: str = "auto"
@@ -136,8 +136,10 @@ class DenseFormat:
         return dict(fp8=self.fp8_format, fp8_recipe=self.fp8_recipe, fp8_param=False)
 
     def describe(self) -> str:
-        impl = "TE" if self.use_te else "local"
-        return f"{impl} layers, FP8 {self.fp8_recipe} weights" if self.fp8 else f"{impl} layers"
+        impl = "TE layers" if self.use_te else "local layers"
+        if self.te_fused_mlp:
+            impl += " (fused MLP)"
+        return f"{impl}, FP8 {self.fp8_recipe} weights" if self.fp8 else impl
 
 
 def dense_autocast(config, tp_group=None):
@@ -184,6 +186,9 @@ def store_fp8_weights_(model, layers=None, build_layer=None) -> None:
             ``model.decoder.build_layer``.
     """
     from megatron.core.fp8_utils import get_fp8_context, prepare_model_for_fp8_inference
+    # Megatron's own pad-to-16-rows wrapper (what prepare_model_for_fp8_inference applies to
+    # each TE linear), here applied to the fused MLP as a whole
+    from megatron.core.fp8_utils import _wrap_te_linear_for_padding
 
     layers = model.decoder.layers if layers is None else layers
     build_layer = model.decoder.build_layer if build_layer is None else build_layer
@@ -202,6 +207,9 @@ def store_fp8_weights_(model, layers=None, build_layer=None) -> None:
         layers[key] = layer.eval()
         del loaded, state
     prepare_model_for_fp8_inference(model)
+    for module in model.modules():  # TE's fused MLP runs its own ops, not the wrapped linears
+        if type(module).__name__ == "TEFusedMLP":
+            _wrap_te_linear_for_padding(module)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the loaded layers' memory goes back to the KV cache
 

@@ -51,6 +51,8 @@ FORMATS: Dict[str, DenseFormat] = {
     "fp8": DenseFormat("transformer_engine", "tensorwise"),
     "fp8-blockwise": DenseFormat("transformer_engine", "blockwise"),
     "fp8-fused-mlp": DenseFormat("transformer_engine", "tensorwise", te_fused_mlp=True),
+    "te-fused-mlp": DenseFormat("transformer_engine", te_fused_mlp=True),
+    "fp8-blockwise-fused-mlp": DenseFormat("transformer_engine", "blockwise", te_fused_mlp=True),
 }
 
 
