@@ -26,6 +26,7 @@ from tknp_megatron.analysis.workload import Workload, prompt_tokens
 from tknp_megatron.config import ModelPreset
 from tknp_megatron.engine.config import EngineConfig
 from tknp_megatron.engine.factory import build_engine
+from tknp_megatron.models.precision import DenseFormat
 from tknp_megatron.engine.intake import Arrival
 from tknp_megatron.mode import Mode
 from tknp_megatron.sampling import SamplingParams
@@ -87,14 +88,16 @@ def run_mode(
     dtype: torch.dtype,
     device: torch.device,
     seed: int = 0,
+    dense: DenseFormat = DenseFormat(),
 ) -> Optional[ModeRun]:
-    """Build ``mode`` over the whole world, replay ``workload``; global rank 0 gets the run."""
+    """Build ``mode`` over the whole world with ``dense`` layers (FP8 or not), replay
+    ``workload``; global rank 0 gets the run."""
     mode = Mode(mode)
     pools, nodes, t = mode.pool_shape(dist.get_world_size(), tp)
     groups = ps.initialize_model_parallel(tensor_model_parallel_size=t, token_parallel_size=nodes,
                                           num_pools=pools)
     try:
-        engine = build_engine(mode, preset, groups, config, device, dtype, weights=seed)
+        engine = build_engine(mode, preset, groups, config, device, dtype, weights=seed, dense=dense)
         _warm_up(engine, workload, preset.vocab_size, seed, pools)
         arrivals = _arrivals(workload, preset.vocab_size, seed, groups.pool, pools)
         dist.barrier()

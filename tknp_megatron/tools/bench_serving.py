@@ -44,15 +44,32 @@ def parse_args(argv=None):
     p.add_argument("--cuda-graphs", action="store_true")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--dtype", default=None)
+    p.add_argument("--transformer-impl", default="auto", metavar="IMPL",
+                   help="dense layers of every mode: local, transformer_engine or auto (TE where installed, on GPU)")
+    p.add_argument("--fp8-recipe", default=None, metavar="RECIPE",
+                   help="FP8-stored GEMM weights for every mode: tensorwise or blockwise (not with dcp)")
     p.add_argument("--world", type=int, default=2, help="processes when not under torchrun")
     p.add_argument("--out", default="bench_serving_out")
     p.add_argument("--report-only", action="store_true",
                    help="rebuild the table, CSV/JSON and plots from --out's partial.jsonl")
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    problems = dense_format(args).problems(args.device)
+    if args.fp8_recipe is not None and "dcp" in args.modes:
+        problems.append("--fp8-recipe with --modes dcp: DCP's head-structured QKV layer has no FP8 path; "
+                        "leave dcp out of --modes")
+    if problems:
+        p.error("; ".join(problems))
     if args.device == "cpu" and args.kv_tokens_per_node is None and not args.report_only:
         args.kv_tokens_per_node = default_cpu_kv_budget(args)
     return args
+
+
+def dense_format(args):
+    """Every mode's dense layers, from the flags."""
+    from tknp_megatron.models.precision import DenseFormat
+
+    return DenseFormat(args.transformer_impl, args.fp8_recipe)
 
 
 def default_cpu_kv_budget(args) -> int:
@@ -80,7 +97,7 @@ def worker(rank, world, args):
     for ctx, batch, rate, trace in traces(args):
         for label, mode, preset in mode_runs(args):
             run = run_mode(Mode(mode), preset, trace, config, args.tp,
-                           dtype_from_name(args.dtype), device, args.seed)
+                           dtype_from_name(args.dtype), device, args.seed, dense_format(args))
             if rank == 0:
                 rows.append(_row(label, ctx, batch, rate, run, _roofline(mode, preset, trace, world, args)))
                 _save_partial(rows[-1], Path(args.out))
