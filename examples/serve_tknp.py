@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import faulthandler
+import gc
 import json
 import os
 import signal
@@ -187,6 +188,7 @@ def serve_rank(rank: int, world: int, job: ServeJob) -> None:
                             args.max_requests_per_node * args.nodes)
     box = [frontend.address if frontend else None]
     dist.broadcast_object_list(box, src=0, device=object_device)
+    server = None
     try:
         if groups.is_coordinator:
             link = CoordinatorLink(box[0], groups.pool)
@@ -215,6 +217,8 @@ def serve_rank(rank: int, world: int, job: ServeJob) -> None:
         if frontend is not None:
             time.sleep(1.0)  # the last replies (errors of a stop or a failure) reach their clients
             frontend.stop()
+    engine = server = None  # first the CUDA graphs (see parallel_state.destroy_model_parallel)
+    gc.collect()
     ps.destroy_model_parallel()
 
 

@@ -177,7 +177,12 @@ def get_token_parallel_global_rank(node: int, tp_rank: Optional[int] = None) -> 
 
 
 def destroy_model_parallel() -> None:
-    """Drop the token-parallel groups and Megatron's."""
+    """Drop the token-parallel groups and Megatron's.
+
+    Free every engine built on them first (``del engine``, then ``gc.collect()``):
+    destroying an NCCL group while CUDA graphs captured on it are still alive hangs (seen on
+    H200 with torch 2.11: ``destroy_process_group`` never returned).
+    """
     global _GROUPS
     if _GROUPS is not None and dist.is_initialized():
         dist.destroy_process_group(_GROUPS.tknp_group)

@@ -22,6 +22,7 @@ CPU smoke run (gloo)::
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -119,6 +120,8 @@ def offline_worker(rank: int, world: int, job) -> dict:
         out = dict(wall_s=time.perf_counter() - start, tokens=[list(r.tokens) for r in results])
         if rank == 0:
             print(f"bench_served: offline {attempt} pass {out['wall_s']:.1f} s", flush=True)
+    del engine, results  # first its CUDA graphs (see parallel_state.destroy_model_parallel)
+    gc.collect()
     ps.destroy_model_parallel()
     return out if rank == 0 else None
 
