@@ -209,7 +209,8 @@ def serve_rank(rank: int, world: int, job: ServeJob) -> None:
             # writes the text and its newline apart when Python runs unbuffered.
             sys.stdout.write(f"{PROG}: pool {summary.pool} ended ({summary.stopped_by}): "
                              f"{summary.completed} completed, {summary.failed} failed, "
-                             f"{summary.steps} steps\n")
+                             f"{summary.steps} steps (per step: engine host {summary.host_ms:.2f} ms, "
+                             f"GPU wait {summary.wait_ms:.2f} ms, server {summary.server_ms:.2f} ms)\n")
             sys.stdout.flush()
         else:
             engine.serve()

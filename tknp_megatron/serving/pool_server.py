@@ -41,6 +41,9 @@ class ServeSummary:
     failed: int
     steps: int
     stopped_by: str
+    host_ms: float = 0.0  # per step: the engine's host work (plan, launch, book)
+    wait_ms: float = 0.0  # per step: the engine's wait for the GPU's tokens
+    server_ms: float = 0.0  # per step: this loop's own work (messages in, replies out)
 
 
 class PoolServer:
@@ -72,9 +75,12 @@ class PoolServer:
         """Serve until STOP or ``should_stop()``; re-raises a pool failure after replying
         FAILED to every open request."""
         engine, last_collective = self.engine, time.monotonic()
+        engine.loop_timing.clear()
+        server_s = 0.0  # busy turns' time outside engine.step
         try:
             while True:
                 busy = not self.paused and engine.has_unfinished_requests()
+                turn = time.perf_counter()
                 for message in self.link.receive(0 if busy else int(self.idle_tick_s * 1000)):
                     self._handle(message)
                 if not self._stop_by and self.should_stop():
@@ -82,7 +88,11 @@ class PoolServer:
                 if self._stop_by:
                     break
                 if not self.paused and engine.has_unfinished_requests():
-                    self._reply(engine.step())
+                    stepped = time.perf_counter()
+                    finished = engine.step()
+                    done = time.perf_counter()
+                    self._reply(finished)
+                    server_s += (stepped - turn if busy else 0.0) + time.perf_counter() - done
                     self._steps += 1
                     last_collective = time.monotonic()
                 elif time.monotonic() - last_collective >= self.idle_tick_s:
@@ -97,7 +107,9 @@ class PoolServer:
         self._end_open(reason)
         engine.shutdown()
         self._refuse_late_arrivals(reason)
-        return ServeSummary(self.link.dp_rank, self._completed, self._failed, self._steps, self._stop_by)
+        host_ms, wait_ms = engine.loop_timing.per_step_ms()
+        return ServeSummary(self.link.dp_rank, self._completed, self._failed, self._steps, self._stop_by,
+                            host_ms, wait_ms, 1e3 * server_s / max(1, self._steps))
 
     # ------------------------------------------------------------------ messages
     def _handle(self, message: Message) -> None:
