@@ -91,7 +91,8 @@ class InferenceEngine(abc.ABC):
     ):
         self.preset, self.placement, self.groups, self.config = preset, placement, groups, config
         self.device, self.clock = device, clock
-        self.weight_bytes = stored_bytes(model)  # this rank's parameters, FP8 ones as stored
+        # this rank's parameters, FP8 ones as stored (a simulated pool has no model)
+        self.weight_bytes = stored_bytes(model) if model is not None else 0
         built = self._build_executor(model)
         self.executor, self.kv, self.ingest = built.executor, built.kv, built.ingest
         self.block_counts = list(built.block_counts)  # KV blocks per owning node

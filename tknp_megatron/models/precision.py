@@ -130,7 +130,7 @@ class DenseFormat:
     def config_overrides(self) -> dict:
         """Megatron ``TransformerConfig`` fields for this format. The layers are built with
         ``fp8_param`` off and their weights quantized after loading (see
-        :func:`tknp_megatron.models.model.store_fp8_weights_`)."""
+        :func:`store_fp8_weights_`)."""
         if not self.fp8:
             return {}
         return dict(fp8=self.fp8_format, fp8_recipe=self.fp8_recipe, fp8_param=False)
