@@ -33,7 +33,6 @@ import os
 import signal
 import sys
 import threading
-import time
 import warnings
 from dataclasses import dataclass
 from typing import Optional
@@ -216,8 +215,7 @@ def serve_rank(rank: int, world: int, job: ServeJob) -> None:
             engine.serve()
     finally:
         if frontend is not None:
-            time.sleep(1.0)  # the last replies (errors of a stop or a failure) reach their clients
-            frontend.stop()
+            frontend.stop()  # after the requests it holds are answered (errors of a stop or a failure)
     engine = server = None  # first the CUDA graphs (see parallel_state.destroy_model_parallel)
     gc.collect()
     ps.destroy_model_parallel()

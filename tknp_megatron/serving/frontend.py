@@ -34,6 +34,8 @@ from typing import Any, Callable, Dict, Optional
 
 from tknp_megatron.serving.megatron_types import REPLIES_ARE_RECORDS
 
+GRACEFUL_S = 10.0  # how long a stopping HTTP server may take to answer the requests it holds
+
 __all__ = ["Frontend"]
 
 
@@ -111,8 +113,10 @@ class Frontend:
     def serve_http(self, port: int, timeout_s: float = 120.0) -> str:
         """Start Megatron's HTTP server on ``port``; returns its URL once ``/health`` answers."""
         ctx = mp.get_context("spawn")
+        self._http_stop = ctx.Event()
         self._http = ctx.Process(target=_child, args=(_serve_http, dict(
-            address=self.address, tokenizer=self.tokenizer, host=self.host, port=port)), daemon=True)
+            address=self.address, tokenizer=self.tokenizer, host=self.host, port=port,
+            stop=self._http_stop)), daemon=True)
         self._http.start()
         self.url = f"http://{self.host}:{port}"
         deadline = time.monotonic() + timeout_s
@@ -131,10 +135,15 @@ class Frontend:
             time.sleep(0.2)
 
     def stop(self) -> None:
-        """Stop the HTTP server, then the coordinator (it holds no state of its own)."""
+        """Stop the HTTP server, letting it finish the requests it holds (their replies are
+        on their way through the coordinator) for up to ``GRACEFUL_S``, then the
+        coordinator (it holds no state of its own)."""
         if self._http is not None:
-            self._http.kill()  # it ignores SIGTERM (see _child)
-            self._http.join(10)
+            self._http_stop.set()
+            self._http.join(GRACEFUL_S + 5)
+            if self._http.is_alive():
+                self._http.kill()  # it ignores SIGTERM (see _child)
+                self._http.join(10)
         self._coordinator.kill()
         self._coordinator.join(10)
 
@@ -178,14 +187,15 @@ def _body_problem(method: str, body) -> Optional[tuple]:
     return None
 
 
-def _serve_http(address: str, tokenizer, host: str, port: int) -> None:
-    asyncio.run(_http_main(address, tokenizer, host, port))
+def _serve_http(address: str, tokenizer, host: str, port: int, stop) -> None:
+    asyncio.run(_http_main(address, tokenizer, host, port, stop))
 
 
-async def _http_main(address: str, tokenizer, host: str, port: int) -> None:
+async def _http_main(address: str, tokenizer, host: str, port: int, stop) -> None:
     """Megatron's blueprints and ``InferenceClient`` in one app, as its own launchers build
     it: Flask for megatron-core 0.16 (``run_flask_server``), Quart from 0.17
-    (``_run_text_gen_server``), served by hypercorn."""
+    (``_run_text_gen_server``), served by hypercorn until ``stop`` (an event) is set; then
+    hypercorn finishes the requests it holds (up to ``GRACEFUL_S``) and exits."""
     import warnings
 
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed")
@@ -224,4 +234,9 @@ async def _http_main(address: str, tokenizer, host: str, port: int) -> None:
     config.keep_alive_timeout = 30.0
     config.backlog = 2**14
     config.accesslog = None
-    await serve(app, config, shutdown_trigger=asyncio.Event().wait)  # no signal handlers: see _child
+    config.graceful_timeout = GRACEFUL_S
+
+    async def stopped():  # no signal handlers (see _child): the parent sets the event
+        await asyncio.get_running_loop().run_in_executor(None, stop.wait)
+
+    await serve(app, config, shutdown_trigger=stopped)
