@@ -11,7 +11,7 @@ import torch
 from tknp_megatron.config import PRESETS
 from tknp_megatron.engine.factory import dense_format_for, placement_for
 from tknp_megatron.mode import Mode
-from tknp_megatron.models.precision import DenseFormat, stored_bytes, te_installed
+from tknp_megatron.models.precision import DenseFormat, stored_bytes
 
 CPU = torch.device("cpu")
 
@@ -35,9 +35,11 @@ def test_refusals_name_the_flag(fmt, line):
     assert "\n" not in str(err.value)
 
 
-def test_without_transformer_engine_a_gpu_run_says_so():
-    if te_installed():
-        pytest.skip("Transformer Engine is installed here: its absence cannot be shown")
+def test_without_transformer_engine_a_gpu_run_says_so(monkeypatch):
+    """A GPU machine without TE (here: whether or not this one has it, the lookup says no)."""
+    import tknp_megatron.models.precision as precision
+
+    monkeypatch.setattr(precision, "te_installed", lambda: False)
     problems = DenseFormat(fp8_recipe="tensorwise").problems("cuda")
     assert problems == ["--fp8-recipe: Transformer Engine is not installed "
                         "(pip install transformer-engine[pytorch])"]

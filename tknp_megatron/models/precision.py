@@ -91,11 +91,10 @@ class DenseFormat:
         elif self.fp8_recipe is not None and self.fp8_recipe not in FP8_RECIPES:
             out.append(f"--fp8-recipe {self.fp8_recipe}: choose one of {', '.join(FP8_RECIPES)}")
         wants_te = self.transformer_impl == "transformer_engine" or self.fp8_recipe is not None
+        what = "--fp8-recipe" if self.fp8_recipe is not None else "--transformer-impl transformer_engine"
         if wants_te and device_type != "cuda":
-            what = "--fp8-recipe" if self.fp8_recipe is not None else "--transformer-impl transformer_engine"
             out.append(f"{what}: Transformer Engine runs on GPUs only (--device {device_type})")
         elif wants_te and not te_installed():
-            what = "--fp8-recipe" if self.fp8_recipe is not None else "--transformer-impl transformer_engine"
             out.append(f"{what}: Transformer Engine is not installed (pip install transformer-engine[pytorch])")
         if self.fp8_recipe is not None and self.transformer_impl == "local":
             out.append(f"--fp8-recipe {self.fp8_recipe}: FP8 layers are Transformer Engine's; "

@@ -35,7 +35,6 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import sys
 import warnings
 from typing import Dict, List
@@ -296,6 +295,7 @@ def speed_part(args, device, dtype) -> List[dict]:
     from tknp_megatron.executor.dense import finish_layer, qkv_projection
     from tknp_megatron.models.model import build_stage_model
     from tknp_megatron.models.precision import dense_autocast, store_fp8_weights_
+    from tknp_megatron.tools.bench_step import graph_time
 
     preset = get_preset(args.dense_model).replace(num_layers=1)
     rows = []
@@ -316,27 +316,10 @@ def speed_part(args, device, dtype) -> List[dict]:
                 qkv_projection(block, hidden)
                 return finish_layer(block, attn, hidden)
 
-            with torch.no_grad(), dense_autocast(model.config, groups.tp_group):
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    for _ in range(3):
-                        step()
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    step()
-            times = []
-            for _ in range(args.reps):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) * 1e3)
-            rows.append(dict(format=name, model=args.dense_model, batch=b, us=statistics.median(times)))
+            with torch.no_grad(), dense_autocast(model.config, groups.tp_group):  # captured in FP8
+                us = graph_time(step, args.reps) * 1e6
+            rows.append(dict(format=name, model=args.dense_model, batch=b, us=us))
             print(json.dumps(rows[-1]), flush=True)
-            del graph
         del model
         ps.destroy_model_parallel()
         _free(device)
