@@ -238,5 +238,10 @@ async def _http_main(address: str, tokenizer, host: str, port: int, stop) -> Non
 
     async def stopped():  # no signal handlers (see _child): the parent sets the event
         await asyncio.get_running_loop().run_in_executor(None, stop.wait)
+        # Shut down once no request still awaits its reply from the coordinator (the pool
+        # has sent them all by now), so every handler answers before hypercorn stops it.
+        deadline = time.monotonic() + GRACEFUL_S
+        while client.completion_futures and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     await serve(app, config, shutdown_trigger=stopped)
