@@ -35,7 +35,7 @@ setup(
         # with hypercorn for its HTTP front end.
         "serve": SERVE,
         "test": ["pytest>=8", "pytest-timeout", "triton", "psutil", "matplotlib>=3.6", "transformers", "safetensors",
-                 "gguf", "accelerate", "openai", "requests"] + SERVE,
+                 "gguf", "accelerate", "openai", "requests", "aiohttp"] + SERVE,
         "gpu": ["triton"],
         "te": ["transformer-engine[pytorch]"],
         "flash": ["flash-attn"],

@@ -82,14 +82,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-requests-per-node", type=int, default=256)
     p.add_argument("--attention-backend", default=None)
-    p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="replay decode steps from CUDA graphs, every batch bucket captured at start-up")
+    p.add_argument("--lazy-graph-capture", action="store_true",
+                   help="with --cuda-graphs: capture each bucket on its first step instead (faster "
+                        "start-up; that step waits for the capture)")
     p.add_argument("--host", default="127.0.0.1",
                    help="interface of the HTTP server (0.0.0.0: all); Megatron's coordinator binds "
                         "to this machine's host name, as Megatron's own server does")
     p.add_argument("--port", type=int, default=5000, help="HTTP port")
     p.add_argument("--coordinator-port", type=int, default=None, help="Megatron coordinator's port")
+    p.add_argument("--frontend-replicas", type=int, default=None,
+                   help="HTTP server processes on the port (default: as many as Megatron's own "
+                        "launcher starts, 1 in megatron-core 0.16, 4 from 0.17)")
     p.add_argument("--idle-tick", type=float, default=1.0,
                    help="seconds an idle pool waits before telling its ranks it is alive")
+    p.add_argument("--step-log", default=None, metavar="FILE",
+                   help="write the pool's arrivals, steps and replies as JSON lines when it stops "
+                        "(a pool's coordinator rank; several pools: FILE.<pool>)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="collective timeout in seconds (a hung or dead rank fails the pool)")
     args = p.parse_args(argv)
@@ -119,8 +129,9 @@ def prepare(args) -> ServeJob:
     problems = [f"--{p}" for p in pool_problems(preset, args.nodes, args.tp)]
     problems += dense_format(args).problems(args.device)
     for flag, value in (("--pools", args.pools), ("--block-size", args.block_size),
-                        ("--max-requests-per-node", args.max_requests_per_node)):
-        if value < 1:
+                        ("--max-requests-per-node", args.max_requests_per_node),
+                        ("--frontend-replicas", args.frontend_replicas)):
+        if value is not None and value < 1:
             problems.append(f"{flag} {value}: must be at least 1")
     for flag, value in (("--port", args.port), ("--coordinator-port", args.coordinator_port)):
         if value is not None and not 1 <= value <= 65535:
@@ -173,6 +184,7 @@ def serve_rank(rank: int, world: int, job: ServeJob) -> None:
         block_size=args.block_size, kv_tokens_per_node=job.kv_tokens,
         max_requests_per_node=args.max_requests_per_node,
         attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs,
+        capture_at_start=not args.lazy_graph_capture,
     )
     engine = build_engine(Mode.TKNP, preset, groups, config, device, dtype_from_name(args.dtype),
                           weights=source.checkpoint or args.seed, padded_vocab=source.padded_vocab,
@@ -193,13 +205,15 @@ def serve_rank(rank: int, world: int, job: ServeJob) -> None:
             link = CoordinatorLink(box[0], groups.pool)
             if frontend is not None:
                 frontend.wait_for_engines(args.timeout)
-                url = frontend.serve_http(args.port)
+                url = frontend.serve_http(args.port, args.frontend_replicas)
                 ready = dict(url=url, coordinator=frontend.address, pools=args.pools,
                              nodes=args.nodes, tp=args.tp, model=preset.name, rank_pids=pids,
-                             kv_tokens_per_node=engine.kv_capacity_tokens)
+                             kv_tokens_per_node=engine.kv_capacity_tokens,
+                             frontend_pids=frontend.http_pids)
                 print(f"{PROG}: ready {json.dumps(ready)}", flush=True)
+            step_log = args.step_log and (f"{args.step_log}.{groups.pool}" if args.pools > 1 else args.step_log)
             server = PoolServer(engine, link, tokenizer, preset.gpt.max_sequence_length,
-                                args.idle_tick, stop.is_set)
+                                args.idle_tick, stop.is_set, step_log)
             try:
                 summary = server.run()
             finally:
@@ -208,8 +222,10 @@ def serve_rank(rank: int, world: int, job: ServeJob) -> None:
             # writes the text and its newline apart when Python runs unbuffered.
             sys.stdout.write(f"{PROG}: pool {summary.pool} ended ({summary.stopped_by}): "
                              f"{summary.completed} completed, {summary.failed} failed, "
-                             f"{summary.steps} steps (per step: engine host {summary.host_ms:.2f} ms, "
-                             f"GPU wait {summary.wait_ms:.2f} ms, server {summary.server_ms:.2f} ms)\n")
+                             f"{summary.steps} steps, {summary.graph_steps} from CUDA graphs, "
+                             f"{summary.graph_captures} captured while serving (per step: engine "
+                             f"host {summary.host_ms:.2f} ms, GPU wait {summary.wait_ms:.2f} ms, "
+                             f"server {summary.server_ms:.2f} ms)\n")
             sys.stdout.flush()
         else:
             engine.serve()

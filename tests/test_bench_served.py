@@ -23,3 +23,10 @@ def test_served_and_offline_give_the_same_tokens(tmp_path):
     assert report["token_agreement"] == 1.0
     assert {r["tokens"] for r in report["rows"].values()} == {8 * 4}
     assert all(r["tok_per_s"] > 0 for r in report["rows"].values())
+    # the server's step log accounts for each timed pass: every request arrived and was
+    # answered inside it, after the pass's first send
+    for timeline, wall in zip(report["served_timelines"], report["rows"]["served"]["walls"]):
+        assert timeline["steps"] >= 4 and timeline["admitting_steps"] >= 1
+        assert 0 <= timeline["first_arrival_s"] <= timeline["last_arrival_s"] <= timeline["last_reply_s"] <= wall
+    assert report["pool"]["steps"] >= 2 * 4 and report["pool"]["completed"] == 8 * 4  # a warm-up and 3 timed passes of 8
+    assert report["pool"]["graph_captures"] == 0

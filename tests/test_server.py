@@ -1,7 +1,7 @@
 """Megatron-Core's own inference server in front of TKNP pools, over real HTTP.
 
 One server (``examples/serve_tknp.py``: two pools of 2 nodes x TP1 behind Megatron's
-coordinator and its HTTP front end, gloo on CPU, the ``tiny`` preset, Megatron's null
+coordinator and its HTTP front end in two processes, gloo on CPU, the ``tiny`` preset, Megatron's null
 tokenizer) is queried with the ``openai`` client, plain HTTP and Megatron's own
 ``InferenceClient``; its answers are checked against the engine's offline ``generate`` on
 the same weights and against the reference model's log-softmax. A second server is
@@ -101,8 +101,11 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server():
+    # two HTTP processes on the port (Megatron 0.17+ starts four by default), so every test
+    # of this server also goes through replicas sharing the load
     s = Server("--pools", "2", "--nodes", "2", "--tp", "1", "--kv-tokens-per-node", str(KV_PER_NODE),
-               "--idle-tick", "0.5")
+               "--idle-tick", "0.5", "--frontend-replicas", "2")
+    assert len(s.info["frontend_pids"]) == 2
     yield s
     if s.proc.poll() is None:
         s.kill()

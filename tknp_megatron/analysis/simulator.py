@@ -149,7 +149,7 @@ class _TimedExecutor:
         self.clock.advance(self.model.seconds(plan))
         return StepOutput(torch.zeros(plan.num_requests, dtype=torch.long))
 
-    def enable_cuda_graphs(self) -> None:
+    def enable_cuda_graphs(self, max_requests_per_owner: int = 0) -> None:
         pass  # the factor already says how the measured engine ran
 
 

@@ -21,7 +21,12 @@ import triton.language as tl
 __all__ = ["launch_paged_attention", "launch_combine_splits"]
 
 
-@triton.jit
+# Triton specializes integer arguments on their value (== 1, divisible by 16) and compiles
+# anew for each combination. The request count and the split count (and the partials'
+# strides, which follow it) change from step to step in eager (prefill) steps, so each new
+# combination stalled a step for a compile (about half a second on the H200); they are
+# plain runtime values here.
+@triton.jit(do_not_specialize=["num_splits", "num_requests", "stride_os", "stride_lt", "stride_lh"])
 def _paged_attn_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
     qsl_ptr, seq_lens_ptr, bt_ptr, tile_req_ptr, tile_first_ptr,
@@ -124,7 +129,7 @@ def _paged_attn_kernel(
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_pt", "stride_ph", "stride_ps", "stride_lt", "stride_lh"])
 def _combine_splits_kernel(
     part_ptr, lse_ptr, out_ptr, num_splits,
     stride_pt, stride_ph, stride_ps,
@@ -194,6 +199,8 @@ def launch_combine_splits(part, lse, out, num_splits):
         part.stride(0), part.stride(1), part.stride(2),
         lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
+        # one block for every split count up to 64 (the heuristic's default cap): a block per
+        # count would compile a kernel for each new count an eager step meets
         HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_S=triton.next_power_of_2(max(num_splits, 2)), num_warps=4,
+        BLOCK_S=triton.next_power_of_2(max(num_splits, 64)), num_warps=4,
     )

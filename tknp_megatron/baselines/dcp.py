@@ -204,7 +204,7 @@ class DCPExecutor:
         self.admitter = Admitter(kv, kv_slice, device)  # every rank writes every block-table row
         self.last_tokens = None  # [R] previous step's tokens (device)
 
-    def enable_cuda_graphs(self) -> None:
+    def enable_cuda_graphs(self, max_requests_per_owner: int = 0) -> None:
         raise ValueError("the DCP baseline runs eagerly: set EngineConfig.cuda_graphs=False")
 
     @torch.no_grad()

@@ -57,7 +57,7 @@ class PPExecutor:
         self._pending: List = []  # sends of the previous tick still in flight
         self._local: Dict[int, StepOutput] = {}  # one-stage pipeline: step -> its output
 
-    def enable_cuda_graphs(self) -> None:
+    def enable_cuda_graphs(self, max_requests_per_owner: int = 0) -> None:
         raise ValueError("the PP baseline runs eagerly: set EngineConfig.cuda_graphs=False")
 
     # ---------------------------------------------------------------- links

@@ -96,8 +96,8 @@ class InferenceEngine(abc.ABC):
         built = self._build_executor(model)
         self.executor, self.kv, self.ingest = built.executor, built.kv, built.ingest
         self.block_counts = list(built.block_counts)  # KV blocks per owning node
-        if config.cuda_graphs:
-            self.executor.enable_cuda_graphs()
+        if config.cuda_graphs:  # every bucket captured now, before any request waits on one
+            self.executor.enable_cuda_graphs(config.max_requests_per_node if config.capture_at_start else 0)
         self.requests: Dict[int, Request] = {}
         self._arrivals = ArrivalQueue(clock)  # trace replay: requests still to arrive
         self.resident_steps = self.resident_total = 0  # steps booked, requests resident over them

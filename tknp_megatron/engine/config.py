@@ -32,6 +32,9 @@ class EngineConfig:
         record_logits: return each generated token's logits (tests).
         cuda_graphs: replay decode steps from CUDA graphs (on CPU: the same bucketed,
             padded decode path, run eagerly).
+        capture_at_start: with ``cuda_graphs`` on a GPU, capture the decode step of every
+            batch bucket up to ``max_requests_per_node`` while the engine is built (as
+            Megatron's and vLLM's engines do), rather than on each bucket's first step.
         microbatches: 2 runs dual-active-root microbatching (needs a dual placement;
             :mod:`tknp_megatron.executor.dual_root`), 1 the single-copy schedule.
     """
@@ -46,6 +49,7 @@ class EngineConfig:
     attention_backend: Optional[str] = None
     record_logits: bool = False
     cuda_graphs: bool = False
+    capture_at_start: bool = True
     microbatches: int = 1
 
     def __post_init__(self):

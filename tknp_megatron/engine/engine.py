@@ -47,6 +47,11 @@ class LockstepEngine(InferenceEngine):
         self._inflight: Optional[tuple] = None  # (plan, output, HostCopy) queued, not booked
         super().__init__(*args, **kwargs)
 
+    @property
+    def queued_plan(self) -> Optional[StepPlan]:
+        """Coordinator: the plan of the step queued last, whose tokens are not booked yet."""
+        return self._inflight[0] if self._inflight else None
+
     def _steps_in_flight(self) -> bool:
         """Coordinator: a step is queued whose tokens are not booked yet."""
         return self._inflight is not None

@@ -61,7 +61,9 @@ class Executor(Protocol):
         """
         ...
 
-    def enable_cuda_graphs(self) -> None:
+    def enable_cuda_graphs(self, max_requests_per_owner: int = 0) -> None:
         """Replay pure-decode steps from CUDA graphs from now on, or raise ValueError
-        naming the fix where the mode runs eagerly."""
+        naming the fix where the mode runs eagerly. With ``max_requests_per_owner`` the
+        executor may capture every batch bucket up to it now (collective: every rank of
+        the pool calls it), so no step captures while requests wait."""
         ...

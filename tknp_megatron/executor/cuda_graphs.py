@@ -8,17 +8,24 @@ up, which runs the step's collectives) together. Capture uses the executor's own
 ``forward``; replays copy the step's inputs into the captured buffers. With
 ``capture=False`` (CPU tests) the same padded inputs run eagerly, which checks the
 padding and bucketing without a GPU.
+
+A server captures every bucket before it takes requests (:meth:`DecodeGraphs.capture_buckets`,
+as Megatron's and vLLM's engines capture their batch sizes at start-up): otherwise the
+first step of each new batch size pays a capture (warm-up runs, then the capture itself)
+while requests wait, and a stream of arrivals walks through many sizes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Dict, Optional
 
 import torch
 
-from tknp_megatron.executor.step_inputs import StepInputs
+from tknp_megatron.executor.step_inputs import StepInputs, bucket, pad_plan
 from tknp_megatron.host_to_device import to_device
+from tknp_megatron.models.precision import dense_autocast
 from tknp_megatron.plan import StepPlan
 
 __all__ = ["DecodeGraphs"]
@@ -43,6 +50,8 @@ class DecodeGraphs:
         self.max_seq_len = spec.max_blocks_per_seq * spec.block_size
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.captured: Dict[object, _Captured] = {}  # keyed by the executor's padded layout
+        self.captures = 0  # graphs captured so far (capture_buckets' included)
+        self.replays = 0  # steps run through run()
 
     def run(self, plan: StepPlan, last_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Replay (capturing on first sight) the step of a pure-decode ``plan``: ``[R]`` tokens.
@@ -54,6 +63,7 @@ class DecodeGraphs:
         ex = self.ex
         key, inputs, index = ex.graph_inputs(plan, last_tokens, self.max_seq_len)
         (index,) = to_device((index,), ex.device)
+        self.replays += 1
         if not self.capture:
             return ex.graph_forward(inputs).index_select(0, index)
         entry = self.captured.get(key)
@@ -64,6 +74,35 @@ class DecodeGraphs:
             _copy_inputs(entry.inputs, inputs)
         entry.graph.replay()
         return entry.tokens.index_select(0, index)
+
+    def capture_buckets(self, max_requests_per_owner: int) -> int:
+        """Capture the decode step of every bucket up to ``max_requests_per_owner`` requests
+        per owner, greedy and sampling, largest first (the smaller graphs reuse its
+        memory); returns how many were captured. Each step is all padding requests (they
+        write to the scratch block only), so no request's KV is touched. Every rank of the
+        pool must call it together (the steps run the pool's collectives). Off GPU the
+        steps run eagerly once each, which checks them."""
+        ex = self.ex
+        with torch.no_grad(), dense_autocast(ex.model.config, ex.groups.tp_group):  # as execute runs
+            return self._capture_buckets(max_requests_per_owner)
+
+    def _capture_buckets(self, max_requests_per_owner: int) -> int:
+        ex, done = self.ex, 0
+        sizes = sorted({bucket(n) for n in range(1, max_requests_per_owner + 1)}, reverse=True)
+        empty = dataclasses.replace(StepPlan.idle_plan(ex.groups.num_nodes), idle=False)  # no requests
+        for size in sizes:
+            padded, _ = pad_plan(empty, ex.kv.dummy_slot, size)
+            for greedy in (True, False):
+                plan = padded if greedy else _sampling(padded)
+                key, inputs, _ = ex.graph_inputs(plan, None, self.max_seq_len)
+                if key in self.captured:
+                    continue
+                if self.capture:
+                    self.captured[key] = self._capture(inputs)
+                else:
+                    ex.graph_forward(inputs)
+                done += 1
+        return done
 
     def _capture(self, inputs) -> _Captured:
         """Warm up on a side stream (compiles kernels, starts communicators), then capture."""
@@ -76,7 +115,15 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             tokens = self.ex.graph_forward(inputs)
+        self.captures += 1
         return _Captured(graph, inputs, tokens)
+
+
+def _sampling(plan: StepPlan) -> StepPlan:
+    """``plan`` with every request sampled at temperature 1 (the non-greedy graph)."""
+    cols = plan.per_request
+    return dataclasses.replace(plan, per_request=dataclasses.replace(
+        cols, temperature=torch.ones_like(cols.temperature)))
 
 
 def _copy_inputs(dst, src) -> None:

@@ -81,6 +81,11 @@ class DualRootExecutor(TKNPExecutor):
         return out
 
     # ---------------------------------------------------------------- graphs
+    def enable_cuda_graphs(self, max_requests_per_owner: int = 0) -> None:
+        """Graphs captured on first sight only: a layout here is a pair of microbatch
+        buckets, too many pairs to capture ahead of time."""
+        super().enable_cuda_graphs(0)
+
     def graph_inputs(self, plan: StepPlan, last_tokens, max_seq_len: int):
         """Each microbatch padded to its bucket: ``(key, (inputs | None) x 2, [R] index)``."""
         inputs, index, at = [], [], 0

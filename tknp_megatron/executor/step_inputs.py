@@ -184,18 +184,23 @@ def bucket(n: int, multiple: int = 8) -> int:
     return -(-n // multiple) * multiple
 
 
-def pad_plan(plan: StepPlan, dummy_slot: int) -> Tuple[StepPlan, torch.Tensor]:
+def pad_plan(plan: StepPlan, dummy_slot: int, size: Optional[int] = None) -> Tuple[StepPlan, torch.Tensor]:
     """Pad a pure-decode plan so every owner holds the same bucketed request count.
 
     One bucket for all owners (that of the busiest) keeps the number of captured layouts
     to the number of buckets; the scheduler balances owners, so little is padded.
+    ``size`` sets the count instead (at least the busiest owner's; a plan of no requests
+    padded to ``size`` is all dummies, what graphs are captured on ahead of time).
     Dummy requests use ``dummy_slot`` (whose block-table row points at a scratch block),
     and each column's pad value (:class:`~tknp_megatron.plan.RequestColumns`): position 0,
     token 0, greedy, request id -1. Returns the padded plan and ``[R]`` the index of each
     real request in the padded batch.
     """
     counts = plan.requests_per_owner
-    size = bucket(max(counts))
+    if size is None:
+        size = bucket(max(counts))
+    elif size < max(counts):
+        raise ValueError(f"pad_plan: size {size} below the busiest owner's {max(counts)} requests")
     padded = (size,) * len(counts)
     n = torch.tensor(counts, dtype=torch.int64).unsqueeze(1)  # [N, 1]
     k = torch.arange(size)

@@ -94,14 +94,19 @@ class TKNPExecutor:
         self.graphs = None  # set by enable_cuda_graphs
         self.last_tokens: Optional[torch.Tensor] = None  # [R] previous step's tokens (device)
 
-    def enable_cuda_graphs(self) -> None:
-        """Replay pure-decode steps from CUDA graphs (per ownership-layout bucket).
+    def enable_cuda_graphs(self, max_requests_per_owner: int = 0) -> None:
+        """Replay pure-decode steps from CUDA graphs (per ownership-layout bucket); with
+        ``max_requests_per_owner``, on a GPU, capture every bucket up to it now
+        (collective).
 
-        Off GPU the bucketed, padded decode path runs eagerly (what the graphs replay).
+        Off GPU the bucketed, padded decode path runs eagerly (what the graphs replay),
+        and nothing is captured ahead (``graphs.capture_buckets`` runs those steps eagerly).
         """
         from tknp_megatron.executor.cuda_graphs import DecodeGraphs
 
         self.graphs = DecodeGraphs(self, capture=self.device.type == "cuda")
+        if max_requests_per_owner and self.graphs.capture:
+            self.graphs.capture_buckets(max_requests_per_owner)
 
     # ---------------------------------------------------------------- step
     @torch.no_grad()

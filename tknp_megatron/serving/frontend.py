@@ -11,7 +11,11 @@ its server launchers do:
   (arguments filtered to what the installed version takes);
 - the HTTP server: Megatron's endpoint blueprints and its ``InferenceClient`` in one app,
   built as Megatron's own launchers build it (Flask in megatron-core 0.16, Quart from
-  0.17), served by hypercorn in a spawned process. Two additions: a body that is not a
+  0.17), served by hypercorn in spawned processes: as many replicas of it as Megatron's
+  own ``start_text_gen_server`` starts by default (one in 0.16, four from 0.17, each with
+  its own client of the coordinator), all on one port (``SO_REUSEPORT``: the kernel
+  spreads connections over them), so a burst of requests is parsed, tokenized and
+  answered in parallel. Two additions: a body that is not a
   JSON object or has an empty prompt is answered 400 naming that, before the blueprints;
   and because 0.16's completions endpoint answers a FAILED request with empty text and
   status 200, its client raises the request's failure reason instead, which the endpoint
@@ -28,15 +32,16 @@ import faulthandler
 import inspect
 import multiprocessing as mp
 import signal
+import socket
 import time
 import urllib.request
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from tknp_megatron.serving.megatron_types import REPLIES_ARE_RECORDS
 
 GRACEFUL_S = 10.0  # how long a stopping HTTP server may take to answer the requests it holds
 
-__all__ = ["Frontend"]
+__all__ = ["Frontend", "default_replicas"]
 
 
 def _die_with_parent() -> None:
@@ -102,7 +107,7 @@ class Frontend:
         if not parent.poll(120):
             raise RuntimeError("Megatron's coordinator did not report its address within 120 s")
         self.address: str = parent.recv()
-        self._http: Optional[mp.process.BaseProcess] = None
+        self._http: List[mp.process.BaseProcess] = []
         self.url: Optional[str] = None
 
     def wait_for_engines(self, timeout_s: float) -> None:
@@ -110,42 +115,70 @@ class Frontend:
         if not self._ready.wait(timeout_s):
             raise RuntimeError(f"not every pool registered with the coordinator within {timeout_s:.0f} s")
 
-    def serve_http(self, port: int, timeout_s: float = 120.0) -> str:
-        """Start Megatron's HTTP server on ``port``; returns its URL once ``/health`` answers."""
+    def serve_http(self, port: int, replicas: Optional[int] = None, timeout_s: float = 120.0) -> str:
+        """Start Megatron's HTTP server on ``port`` (``replicas`` processes; None: as many
+        as the installed megatron-core's own launcher starts); returns its URL once every
+        replica listens and ``/health`` answers."""
         ctx = mp.get_context("spawn")
         self._http_stop = ctx.Event()
-        self._http = ctx.Process(target=_child, args=(_serve_http, dict(
+        listening = [ctx.Event() for _ in range(replicas or default_replicas())]
+        self._http = [ctx.Process(target=_child, args=(_serve_http, dict(
             address=self.address, tokenizer=self.tokenizer, host=self.host, port=port,
-            stop=self._http_stop)), daemon=True)
-        self._http.start()
+            stop=self._http_stop, listening=event, shared=len(listening) > 1)), daemon=True)
+            for event in listening]
+        for proc in self._http:
+            proc.start()
         self.url = f"http://{self.host}:{port}"
         deadline = time.monotonic() + timeout_s
         while True:
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self.url
-            except OSError:
-                pass
-            if not self._http.is_alive():
-                raise RuntimeError(f"Megatron's HTTP server exited with code {self._http.exitcode}")
+            if all(event.is_set() for event in listening):
+                try:
+                    with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                        if r.status == 200:
+                            return self.url
+                except OSError:
+                    pass
+            dead = [p.exitcode for p in self._http if not p.is_alive()]
+            if dead:
+                raise RuntimeError(f"Megatron's HTTP server exited with code {dead[0]}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"Megatron's HTTP server did not answer {self.url}/health "
                                    f"within {timeout_s:.0f} s")
             time.sleep(0.2)
 
+    @property
+    def http_pids(self) -> List[int]:
+        """The HTTP server's processes."""
+        return [p.pid for p in self._http]
+
     def stop(self) -> None:
         """Stop the HTTP server, letting it finish the requests it holds (their replies are
         on their way through the coordinator) for up to ``GRACEFUL_S``, then the
         coordinator (it holds no state of its own)."""
-        if self._http is not None:
+        if self._http:
             self._http_stop.set()
-            self._http.join(GRACEFUL_S + 5)
-            if self._http.is_alive():
-                self._http.kill()  # it ignores SIGTERM (see _child)
-                self._http.join(10)
+            deadline = time.monotonic() + GRACEFUL_S + 5
+            for proc in self._http:
+                proc.join(max(0.0, deadline - time.monotonic()))
+            for proc in self._http:
+                if proc.is_alive():
+                    proc.kill()  # it ignores SIGTERM (see _child)
+                    proc.join(10)
         self._coordinator.kill()
         self._coordinator.join(10)
+
+
+def default_replicas() -> int:
+    """HTTP processes Megatron's own ``start_text_gen_server`` starts by default: its
+    ``num_replicas`` (4 from megatron-core 0.17), 1 where it has none (0.16)."""
+    try:
+        from megatron.core.inference.text_generation_server.dynamic_text_gen_server import (
+            text_generation_server,
+        )
+    except ImportError:  # 0.16: flask_server.py, one process
+        return 1
+    param = inspect.signature(text_generation_server.start_text_gen_server).parameters.get("num_replicas")
+    return param.default if param is not None and isinstance(param.default, int) else 1
 
 
 # ---------------------------------------------------------------- the HTTP process
@@ -187,15 +220,30 @@ def _body_problem(method: str, body) -> Optional[tuple]:
     return None
 
 
-def _serve_http(address: str, tokenizer, host: str, port: int, stop) -> None:
-    asyncio.run(_http_main(address, tokenizer, host, port, stop))
+def _serve_http(address: str, tokenizer, host: str, port: int, stop, listening, shared: bool) -> None:
+    asyncio.run(_http_main(address, tokenizer, host, port, stop, listening, shared))
 
 
-async def _http_main(address: str, tokenizer, host: str, port: int, stop) -> None:
-    """Megatron's blueprints and ``InferenceClient`` in one app, as its own launchers build
-    it: Flask for megatron-core 0.16 (``run_flask_server``), Quart from 0.17
-    (``_run_text_gen_server``), served by hypercorn until ``stop`` (an event) is set; then
-    hypercorn finishes the requests it holds (up to ``GRACEFUL_S``) and exits."""
+def _listen(host: str, port: int, shared: bool) -> socket.socket:
+    """A listening socket on ``host:port``; ``shared``: other replicas bind it too
+    (``SO_REUSEPORT``; a lone replica does not, so a port in use fails loudly)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if shared:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.bind((host, port))
+    sock.listen(2**14)
+    return sock
+
+
+async def _http_main(address: str, tokenizer, host: str, port: int, stop, listening,
+                     shared: bool) -> None:
+    """One replica: Megatron's blueprints and ``InferenceClient`` in one app, as its own
+    launchers build it: Flask for megatron-core 0.16 (``run_flask_server``), Quart from
+    0.17 (``_run_text_gen_server``), served by hypercorn until ``stop`` (an event) is set;
+    then hypercorn finishes the requests it holds (up to ``GRACEFUL_S``) and exits.
+    ``listening`` is set once its socket takes connections (they queue until served)."""
     import warnings
 
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed")
@@ -229,8 +277,9 @@ async def _http_main(address: str, tokenizer, host: str, port: int, stop) -> Non
     app.config["tokenizer"] = tokenizer
     for blueprint in endpoints.__all__:
         app.register_blueprint(blueprint)
+    sock = _listen(host, port, shared)
     config = Config()
-    config.bind = [f"{host}:{port}"]
+    config.bind = [f"fd://{sock.fileno()}"]
     config.keep_alive_timeout = 30.0
     config.backlog = 2**14
     config.accesslog = None
@@ -244,4 +293,5 @@ async def _http_main(address: str, tokenizer, host: str, port: int, stop) -> Non
         while client.completion_futures and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
+    listening.set()
     await serve(app, config, shutdown_trigger=stopped)

@@ -20,9 +20,11 @@ the pool follow from :meth:`~tknp_megatron.engine.base.InferenceEngine.serve` as
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from tknp_megatron.engine.engine import LockstepEngine
 from tknp_megatron.engine.request import RequestStatus
@@ -44,6 +46,8 @@ class ServeSummary:
     host_ms: float = 0.0  # per step: the engine's host work (plan, launch, book)
     wait_ms: float = 0.0  # per step: the engine's wait for the GPU's tokens
     server_ms: float = 0.0  # per step: this loop's own work (messages in, replies out)
+    graph_steps: int = 0  # steps on the graph path (replayed from CUDA graphs on a GPU; the rest eager)
+    graph_captures: int = 0  # CUDA graphs captured while serving (none once captured at start)
 
 
 class PoolServer:
@@ -61,10 +65,12 @@ class PoolServer:
 
     def __init__(self, engine: LockstepEngine, link: CoordinatorLink, tokenizer,
                  max_sequence_length: int, idle_tick_s: float = 1.0,
-                 should_stop: Callable[[], bool] = lambda: False):
+                 should_stop: Callable[[], bool] = lambda: False, step_log: Optional[str] = None):
         self.engine, self.link, self.tokenizer = engine, link, tokenizer
         self.max_sequence_length, self.idle_tick_s, self.should_stop = (
             max_sequence_length, idle_tick_s, should_stop)
+        self.step_log = step_log
+        self._events: List[tuple] = []  # with step_log: (kind, perf_counter time, ...)
         self.paused = False
         self._stop_by = ""
         self._open: Dict[int, Tuple[tuple, dict]] = {}  # id -> (prompt, Megatron params)
@@ -76,6 +82,7 @@ class PoolServer:
         FAILED to every open request."""
         engine, last_collective = self.engine, time.monotonic()
         engine.loop_timing.clear()
+        replays0, captures0 = self._graph_counts()
         server_s = 0.0  # busy turns' time outside engine.step
         try:
             while True:
@@ -88,9 +95,11 @@ class PoolServer:
                 if self._stop_by:
                     break
                 if not self.paused and engine.has_unfinished_requests():
-                    stepped = time.perf_counter()
+                    replays, stepped = self._graph_counts()[0], time.perf_counter()
                     finished = engine.step()
                     done = time.perf_counter()
+                    if self.step_log:
+                        self._log_step(stepped, done, self._graph_counts()[0] > replays)
                     self._reply(finished)
                     server_s += (stepped - turn if busy else 0.0) + time.perf_counter() - done
                     self._steps += 1
@@ -108,8 +117,17 @@ class PoolServer:
         engine.shutdown()
         self._refuse_late_arrivals(reason)
         host_ms, wait_ms = engine.loop_timing.per_step_ms()
-        return ServeSummary(self.link.dp_rank, self._completed, self._failed, self._steps, self._stop_by,
-                            host_ms, wait_ms, 1e3 * server_s / max(1, self._steps))
+        replays, captures = self._graph_counts()
+        summary = ServeSummary(self.link.dp_rank, self._completed, self._failed, self._steps, self._stop_by,
+                               host_ms, wait_ms, 1e3 * server_s / max(1, self._steps),
+                               replays - replays0, captures - captures0)
+        self._write_step_log(summary)
+        return summary
+
+    def _graph_counts(self) -> Tuple[int, int]:
+        """(steps run through the graph path, graphs captured) so far (0, 0 without graphs)."""
+        graphs = getattr(self.engine.executor, "graphs", None)
+        return (graphs.replays, graphs.captures) if graphs is not None else (0, 0)
 
     # ------------------------------------------------------------------ messages
     def _handle(self, message: Message) -> None:
@@ -130,6 +148,8 @@ class PoolServer:
         # epochs and profiler marks need nothing from a pool.
 
     def _submit(self, request_id: int, prompt, params: dict) -> None:
+        if self.step_log:
+            self._events.append(("arrive", time.perf_counter()))
         try:
             req = to_engine_request(prompt, params, self.tokenizer, self.max_sequence_length)
         except RequestRefused as err:
@@ -151,6 +171,8 @@ class PoolServer:
         self._send(items)
 
     def _send(self, items: list) -> None:
+        if self.step_log and items:
+            self._events.append(("reply", time.perf_counter(), len(items)))
         for item in items:
             status = item["requests"][0]["status"] if "requests" in item else item["status"]
             if status == "COMPLETED":
@@ -158,6 +180,26 @@ class PoolServer:
             else:
                 self._failed += 1
         self.link.reply(items)
+
+    # ------------------------------------------------------------------ step log
+    def _log_step(self, start: float, end: float, graph: bool) -> None:
+        """One call of ``engine.step``: its start and end (perf_counter, comparable across
+        this host's processes), and the step it queued: its batch, the requests it admits,
+        whether a CUDA graph runs it."""
+        plan = self.engine.queued_plan
+        self._events.append(("step", start, end, plan.num_requests if plan else 0,
+                             len(plan.admissions) if plan else 0, graph))
+
+    def _write_step_log(self, summary: ServeSummary) -> None:
+        """The events as JSON lines (``step_log``), then the summary, once the pool stopped."""
+        if not self.step_log:
+            return
+        names = {"arrive": ("t",), "reply": ("t", "requests"),
+                 "step": ("start", "end", "batch", "admitted", "graph")}
+        with open(self.step_log, "w") as f:
+            for kind, *values in self._events:
+                f.write(json.dumps(dict(kind=kind, **dict(zip(names[kind], values)))) + "\n")
+            f.write(json.dumps(dict(kind="summary", **dataclasses.asdict(summary))) + "\n")
 
     def _refuse_late_arrivals(self, reason: str, quiet_s: float = 2.0, limit_s: float = 30.0) -> None:
         """After the pool stopped: answer every request still arriving FAILED with

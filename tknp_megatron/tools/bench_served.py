@@ -4,7 +4,7 @@ through the same engine's offline ``generate``; completion throughput side by si
 Both runs build the same pool (``--nodes`` x ``--tp``, the same engine knobs and seeded
 weights) and serve the same greedy requests (``--requests`` prompts of ``--prompt-len``
 random ids, ``--output-len`` new tokens each, all arriving at once). Each run serves the
-trace twice and times the second pass (the first captures CUDA graphs and warms up).
+trace 1 + ``--passes`` times and reports the median timed pass (the first warms up).
 Throughput = generated tokens / (last completion - first submission). The served pass
 sends every request at once over HTTP (``POST /v1/completions``, token-id prompts) to
 ``examples/serve_tknp.py``; its tokens must equal the offline run's.
@@ -22,17 +22,19 @@ CPU smoke run (gloo)::
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import json
 import os
+import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import List
 
@@ -56,7 +58,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--kv-tokens-per-node", type=int, default=None)
     p.add_argument("--cuda-graphs", action="store_true")
+    p.add_argument("--lazy-graph-capture", action="store_true",
+                   help="capture each batch bucket's graph on its first step, not at start-up")
+    p.add_argument("--frontend-replicas", type=int, default=None,
+                   help="the server's HTTP processes (default: Megatron's default)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--passes", type=int, default=3, help="timed passes of each path, after one warm-up")
     p.add_argument("--out", default=None, help="write the results here (JSON)")
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--stage", choices=("both", "offline"), default="both", help=argparse.SUPPRESS)
@@ -86,12 +93,14 @@ def _engine_flags(args) -> list:
         flags += ["--kv-tokens-per-node", str(args.kv_tokens_per_node)]
     if args.cuda_graphs:
         flags += ["--cuda-graphs"]
+    if args.lazy_graph_capture:
+        flags += ["--lazy-graph-capture"]
     return flags
 
 
 # ----------------------------------------------------------------------------- offline
 def offline_worker(rank: int, world: int, job) -> dict:
-    """The engine as the server builds it; ``generate`` twice, the second pass timed."""
+    """The engine as the server builds it; ``generate`` 1 + ``--passes`` times (the first warms up)."""
     import parallel_state as ps
     from tknp_megatron.engine.config import EngineConfig
     from tknp_megatron.engine.factory import Mode, build_engine
@@ -103,7 +112,8 @@ def offline_worker(rank: int, world: int, job) -> dict:
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     kv = args.kv_tokens_per_node or (4 * preset.gpt.max_sequence_length if args.device == "cpu" else None)
     groups = ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, token_parallel_size=args.nodes)
-    config = EngineConfig(kv_tokens_per_node=kv, cuda_graphs=args.cuda_graphs)
+    config = EngineConfig(kv_tokens_per_node=kv, cuda_graphs=args.cuda_graphs,
+                          capture_at_start=not args.lazy_graph_capture)
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     built = time.perf_counter()
     engine = build_engine(Mode.TKNP, preset, groups, config, device, dtype, weights=args.seed)
@@ -111,18 +121,20 @@ def offline_worker(rank: int, world: int, job) -> dict:
         print(f"bench_served: offline engine built in {time.perf_counter() - built:.1f} s "
               f"(KV tokens per node {engine.kv_capacity_tokens})", flush=True)
     params = SamplingParams(max_new_tokens=args.output_len, eos_id=preset.vocab_size - 1)  # the null tokenizer's eod
-    out = {}
-    for attempt in ("warm-up", "timed"):
+    walls, tokens = [], None
+    for attempt in range(1 + args.passes):  # the first warms up
         if args.device == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
         results = engine.generate(prompts, params)
-        out = dict(wall_s=time.perf_counter() - start, tokens=[list(r.tokens) for r in results])
+        walls.append(time.perf_counter() - start)
+        tokens = [list(r.tokens) for r in results]
         if rank == 0:
             host, wait = engine.loop_timing.per_step_ms()
-            print(f"bench_served: offline {attempt} pass {out['wall_s']:.1f} s (per step: engine host "
-                  f"{host:.2f} ms, GPU wait {wait:.2f} ms)", flush=True)
+            print(f"bench_served: offline {'timed' if attempt else 'warm-up'} pass {walls[-1]:.2f} s "
+                  f"(per step: engine host {host:.2f} ms, GPU wait {wait:.2f} ms)", flush=True)
         engine.loop_timing.clear()
+    out = dict(walls=walls[1:], tokens=tokens)
     del engine, results  # first its CUDA graphs (see parallel_state.destroy_model_parallel)
     gc.collect()
     ps.destroy_model_parallel()
@@ -146,17 +158,76 @@ def run_offline(args, prompts) -> dict:
 
 
 # ----------------------------------------------------------------------------- served
-def run_served(args, prompts) -> dict:
-    """Start the server, send the trace twice (the second pass timed), stop it."""
-    import requests
+def completion_tokens(answer: dict) -> List[int]:
+    """The generated ids of a completion: 0.17+ returns them, 0.16 only the text (the null
+    tokenizer's text is the ids)."""
+    choice = answer["choices"][0]
+    ids = choice.get("generation_token_ids")
+    return list(ids) if ids is not None else [int(t) for t in choice["text"].split()]
 
+
+async def serve_passes(url: str, prompts: List[List[int]], output_len: int, timeout_s: float,
+                       passes: int = 2) -> List[dict]:
+    """Send every prompt at once as its own ``POST /v1/completions``, ``passes`` times (the
+    next pass after the last answer); each pass's wall time runs from its first send
+    (``start``, perf_counter) to its last answer. One aiohttp session on one event loop, a kept-alive connection per
+    request in flight (as an ``openai`` async client would): the client neither spreads
+    the burst out (a thread per request in ``requests`` took about 1.7 ms of CPU each on
+    2 cores) nor competes with the server's processes for the CPU while it waits."""
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    out = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+
+        async def ask(prompt):
+            body = dict(prompt=prompt, max_tokens=output_len, temperature=0)
+            async with session.post(url + "/v1/completions", json=body) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:500]}")
+                answer = await r.json(content_type=None)
+            return completion_tokens(answer), time.perf_counter()
+
+        for _ in range(passes):
+            start = time.perf_counter()
+            answers = await asyncio.gather(*(ask(p) for p in prompts))
+            out.append(dict(start=start, wall_s=max(t for _, t in answers) - start,
+                            tokens=[a for a, _ in answers]))
+    return out
+
+
+def pass_timeline(events: List[dict], start: float, end: float) -> dict:
+    """Where one served pass's wall time went, from the pool's step log (seconds after the
+    pass's first send): its first and last arrival at the pool, its first step, its last
+    reply; its steps, how many ran eagerly (admissions, or no graph) and their host time."""
+    inside = [e for e in events if start <= e.get("t", e.get("start", 0)) <= end]
+    arrivals = [e["t"] - start for e in inside if e["kind"] == "arrive"]
+    steps = [e for e in inside if e["kind"] == "step"]
+    replies = [e["t"] - start for e in inside if e["kind"] == "reply"]
+    eager = [e for e in steps if not e["graph"]]
+    return dict(
+        first_arrival_s=min(arrivals, default=None), last_arrival_s=max(arrivals, default=None),
+        first_step_s=steps[0]["start"] - start if steps else None,
+        last_reply_s=max(replies, default=None), steps=len(steps), eager_steps=len(eager),
+        eager_step_host_s=sum(e["end"] - e["start"] for e in eager),
+        step_host_s=sum(e["end"] - e["start"] for e in steps),
+        admitting_steps=sum(1 for e in steps if e["admitted"]),
+    )
+
+
+def run_served(args, prompts) -> dict:
+    """Start the server, send the trace 1 + ``--passes`` times (the first warms up), stop it."""
     from tknp_megatron.launch import free_port
 
     port = free_port()
     launcher = [sys.executable, str(SERVE)]
     if args.device == "cuda":
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.gpus), str(SERVE)]
-    proc = subprocess.Popen([*launcher, *_engine_flags(args), "--port", str(port)],
+    step_log = Path(tempfile.mkdtemp(prefix="bench_served_")) / "steps.jsonl"
+    flags = ["--port", str(port), "--step-log", str(step_log)]
+    if args.frontend_replicas:
+        flags += ["--frontend-replicas", str(args.frontend_replicas)]
+    proc = subprocess.Popen([*launcher, *_engine_flags(args), *flags],
                             stdout=subprocess.PIPE, text=True, cwd=ROOT)
     ready = threading.Event()
     lines: list = []
@@ -173,28 +244,23 @@ def run_served(args, prompts) -> dict:
         if not ready.wait(args.timeout):
             raise RuntimeError(f"server not ready within {args.timeout:.0f} s")
         url = json.loads(next(x for x in lines if " ready " in x).split(" ready ", 1)[1])["url"]
-
-        def ask(prompt):
-            body = dict(prompt=prompt, max_tokens=args.output_len, temperature=0)
-            r = requests.post(url + "/v1/completions", json=body, timeout=args.timeout)
-            r.raise_for_status()
-            choice = r.json()["choices"][0]  # 0.17+ returns the ids; 0.16 only the text (= the ids)
-            ids = choice.get("generation_token_ids")
-            return list(ids) if ids is not None else [int(t) for t in choice["text"].split()]
-
-        out = {}
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            for _ in ("warm-up", "timed"):
-                start = time.perf_counter()
-                tokens = list(pool.map(ask, prompts))
-                out = dict(wall_s=time.perf_counter() - start, tokens=tokens)
-        return out
+        passes = asyncio.run(serve_passes(url, prompts, args.output_len, args.timeout, 1 + args.passes))
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(120)
         except subprocess.TimeoutExpired:
             proc.kill()
+    events = [json.loads(x) for x in step_log.read_text().splitlines()] if step_log.exists() else []
+    shutil.rmtree(step_log.parent, ignore_errors=True)
+    summary = next((e for e in events if e["kind"] == "summary"), {})  # the pool's ServeSummary
+    timed = passes[1:]
+    timelines = [pass_timeline(events, p["start"], p["start"] + p["wall_s"]) for p in timed]
+    for i, t in enumerate(timelines):
+        print(f"bench_served: served pass {i + 1}: {timed[i]['wall_s']:.3f} s; " + ", ".join(
+            f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in t.items()), flush=True)
+    return dict(walls=[p["wall_s"] for p in timed], tokens=timed[-1]["tokens"], pool=summary,
+                timelines=timelines)
 
 
 def main(argv=None) -> int:
@@ -217,19 +283,23 @@ def main(argv=None) -> int:
     rows = {}
     for name, run in (("offline", offline), ("served", served)):
         tokens = sum(len(t) for t in run["tokens"])
-        rows[name] = dict(wall_s=run["wall_s"], tokens=tokens, tok_per_s=tokens / run["wall_s"])
+        wall = statistics.median(run["walls"])
+        rows[name] = dict(wall_s=wall, walls=run["walls"], tokens=tokens, tok_per_s=tokens / wall)
     pairs = [(a, b) for x, y in zip(offline["tokens"], served["tokens"]) for a, b in zip(x, y)]
     agreement = sum(a == b for a, b in pairs) / max(1, len(pairs))
     ratio = rows["served"]["tok_per_s"] / rows["offline"]["tok_per_s"]
-    print(f"{'path':8} {'wall_s':>8} {'tokens':>8} {'tok/s':>10}")
+    print(f"{'path':8} {'wall_s':>8} {'tokens':>8} {'tok/s':>10}  (median of {args.passes} passes; each pass's wall_s)")
     for name, r in rows.items():
-        print(f"{name:8} {r['wall_s']:8.3f} {r['tokens']:8d} {r['tok_per_s']:10.1f}")
+        print(f"{name:8} {r['wall_s']:8.3f} {r['tokens']:8d} {r['tok_per_s']:10.1f}  "
+              + " ".join(f"{w:.3f}" for w in r["walls"]))
     # In fp32 (CPU) the tokens must be equal; in BF16 a request's numerics depend on how
     # the arrivals were batched, and a random model's near-tied logits then diverge.
     print(f"served / offline: {ratio:.3f}; token agreement {agreement:.3f}")
     if args.out:
         Path(args.out).write_text(json.dumps(dict(args=vars(args), rows=rows, ratio=ratio,
-                                                  token_agreement=agreement), indent=1))
+                                                  token_agreement=agreement, pool=served["pool"],
+                                                  served_timelines=served["timelines"]),
+                                             indent=1))
     return 0 if agreement == 1.0 or args.device == "cuda" else 1
 
 
