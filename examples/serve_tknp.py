@@ -99,7 +99,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="seconds an idle pool waits before telling its ranks it is alive")
     p.add_argument("--step-log", default=None, metavar="FILE",
                    help="write the pool's arrivals, steps and replies as JSON lines when it stops "
-                        "(a pool's coordinator rank; several pools: FILE.<pool>)")
+                        "(held in memory until then: for benchmarks; several pools: FILE.<pool>)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="collective timeout in seconds (a hung or dead rank fails the pool)")
     args = p.parse_args(argv)

@@ -9,10 +9,10 @@ up, which runs the step's collectives) together. Capture uses the executor's own
 ``capture=False`` (CPU tests) the same padded inputs run eagerly, which checks the
 padding and bucketing without a GPU.
 
-A server captures every bucket before it takes requests (:meth:`DecodeGraphs.capture_buckets`,
+On a GPU the engine captures every bucket when it is built (:meth:`DecodeGraphs.capture_buckets`,
 as Megatron's and vLLM's engines capture their batch sizes at start-up): otherwise the
 first step of each new batch size pays a capture (warm-up runs, then the capture itself)
-while requests wait, and a stream of arrivals walks through many sizes.
+while requests wait, and a server's stream of arrivals walks through many sizes.
 """
 
 from __future__ import annotations
