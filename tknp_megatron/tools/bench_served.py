@@ -68,7 +68,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--stage", choices=("both", "offline"), default="both", help=argparse.SUPPRESS)
     p.add_argument("--prompts-file", default=None, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.passes < 1:
+        p.error(f"--passes {args.passes}: must be at least 1")
+    return args
 
 
 def _preset(args):
