@@ -21,11 +21,11 @@ import triton.language as tl
 __all__ = ["launch_paged_attention", "launch_combine_splits"]
 
 
-# Triton specializes integer arguments on their value (== 1, divisible by 16) and compiles
-# anew for each combination. The request count and the split count (and the partials'
-# strides, which follow it) change from step to step in eager (prefill) steps, so each new
-# combination stalled a step for a compile (about half a second on the H200); they are
-# plain runtime values here.
+# Triton specializes integer arguments on their value (== 1, divisible by 16) and compiles a
+# kernel for each combination it meets. The request count and the split count (and the
+# partials' strides, which follow the split count) change from one eager (prefill) step to
+# the next, and a compile holds up its step, so they are plain runtime values: one compile
+# serves them all.
 @triton.jit(do_not_specialize=["num_splits", "num_requests", "stride_os", "stride_lt", "stride_lh"])
 def _paged_attn_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
