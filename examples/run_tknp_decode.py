@@ -30,7 +30,6 @@ stderr naming it, the value and what is allowed, and exit status 2.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 import warnings
@@ -172,7 +171,6 @@ def run_tknp(job: Job, device: torch.device):
                        weight_bytes=per_node, dense=dense_format(args).resolved(device).describe())
     _close(bar)
     del engine  # first its CUDA graphs (see parallel_state.destroy_model_parallel)
-    gc.collect()
     ps.destroy_model_parallel()
     return results, summary
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import faulthandler
-import gc
 import json
 import os
 import signal
@@ -87,6 +86,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lazy-graph-capture", action="store_true",
                    help="with --cuda-graphs: capture each bucket on its first step instead (faster "
                         "start-up; that step waits for the capture)")
+    p.add_argument("--no-gc-freeze", action="store_true",
+                   help="leave the heap the engine was built with to Python's garbage collector "
+                        "(by default it is frozen once built: a full collection stalled a step)")
     p.add_argument("--host", default="127.0.0.1",
                    help="interface of the HTTP server (0.0.0.0: all); Megatron's coordinator binds "
                         "to this machine's host name, as Megatron's own server does")
@@ -184,7 +186,7 @@ def serve_rank(rank: int, world: int, job: ServeJob) -> None:
         block_size=args.block_size, kv_tokens_per_node=job.kv_tokens,
         max_requests_per_node=args.max_requests_per_node,
         attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs,
-        capture_at_start=not args.lazy_graph_capture,
+        capture_at_start=not args.lazy_graph_capture, freeze_gc=not args.no_gc_freeze,
     )
     engine = build_engine(Mode.TKNP, preset, groups, config, device, dtype_from_name(args.dtype),
                           weights=source.checkpoint or args.seed, padded_vocab=source.padded_vocab,
@@ -233,7 +235,6 @@ def serve_rank(rank: int, world: int, job: ServeJob) -> None:
         if frontend is not None:
             frontend.stop()  # after the requests it holds are answered (errors of a stop or a failure)
     engine = server = None  # first the CUDA graphs (see parallel_state.destroy_model_parallel)
-    gc.collect()
     ps.destroy_model_parallel()
 
 

@@ -12,6 +12,7 @@ own coordinator (its first rank) and its own pool group for step-plan broadcasts
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -179,11 +180,15 @@ def get_token_parallel_global_rank(node: int, tp_rank: Optional[int] = None) -> 
 def destroy_model_parallel() -> None:
     """Drop the token-parallel groups and Megatron's.
 
-    Free every engine built on them first (``del engine``, then ``gc.collect()``):
-    destroying an NCCL group while CUDA graphs captured on it are still alive hangs (seen on
-    H200 with torch 2.11: ``destroy_process_group`` never returned).
+    Drop every engine built on them first (``del engine``): this collects garbage before
+    it destroys a group, because destroying an NCCL group while CUDA graphs captured on it
+    are still alive hangs (seen on H200 with torch 2.11: ``destroy_process_group`` never
+    returned). It thaws the heap first: an engine freezes the objects alive once it is built
+    (``gc.freeze``), and a frozen cycle is never collected.
     """
     global _GROUPS
+    gc.unfreeze()
+    gc.collect()
     if _GROUPS is not None and dist.is_initialized():
         dist.destroy_process_group(_GROUPS.tknp_group)
         if _GROUPS.num_pools > 1:

@@ -164,13 +164,28 @@ def test_split_heuristic():
     cfg = TritonConfig()  # waves 4, >= 256 tokens a split, <= 64 splits
     assert choose_num_splits(8, 131072, 132, cfg) == 64  # few programs, long context: cap
     assert choose_num_splits(8, 4096, 132, cfg) == 16  # bounded by 4096 / 256
-    assert choose_num_splits(32, 32768, 132, cfg) == 17  # ceil(528 / 32)
-    assert choose_num_splits(128, 32768, 132, cfg) == 5
+    assert choose_num_splits(32, 32768, 132, cfg) == 16  # floor(528 / 32): one resident wave
+    assert choose_num_splits(128, 32768, 132, cfg) == 4
+    assert choose_num_splits(256, 32768, 132, cfg) == 2  # 512 programs, not 768
     assert choose_num_splits(1024, 32768, 132, cfg) == 1  # the batch already fills the GPU
     assert choose_num_splits(4, 100, 132, cfg) == 1  # short context
     assert choose_num_splits(4, 100000, 132, TritonConfig(num_splits=3)) == 3
     with pytest.raises(ValueError):
         TritonConfig(block_n=48)
+    with pytest.raises(ValueError):
+        TritonConfig(num_stages=0)
+
+
+def test_decode_launch_per_shape():
+    from tknp_megatron.attention.triton_paged import DecodeLaunch, TritonConfig, decode_launch
+
+    cfg = TritonConfig()
+    assert decode_launch(8, 4096, 128, 132, cfg) == DecodeLaunch(16, 128, 4, 2)  # 128 programs < 132 SMs
+    assert decode_launch(256, 32768, 192, 132, cfg) == DecodeLaunch(2, 32, 4, 2)  # Nemotron's head dim
+    assert decode_launch(1024, 32768, 128, 132, cfg) == DecodeLaunch(1, 64, 4, 3)  # the batch fills the GPU
+    assert decode_launch(128, 32768, 128, 132, cfg) == DecodeLaunch(4, 64, 4, 2)
+    fixed = TritonConfig(block_n=16, num_splits=3)  # fields set in the config win
+    assert decode_launch(1024, 32768, 128, 132, fixed) == DecodeLaunch(3, 16, 4, 2)
     with pytest.raises(ValueError):
         TritonConfig(prefill="flash")
 

@@ -135,6 +135,25 @@ def test_bench_dry_run(tmp_path):
     assert "triton_us" in proc.stdout
 
 
+def test_bench_per_model_shapes_and_launch_choice(tmp_path):
+    """--models expands presets into per-rank shapes at each --tp; "auto" is the backend's
+    own per-shape launch, recorded with its tile and splits; a 4-field config sets waves."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tknp_megatron.tools.bench_attention", "--dry-run", "--models", "nemotron4-340b",
+         "--tp", "8", "--configs", "auto", "16:4:2:2", "--num-splits", "2", "--out", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [r for r in json.loads(out.read_text())["results"] if r.get("status") == "ok"]
+    assert rows and {(r["hq"], r["hkv"], r["head_dim"]) for r in rows} == {(12, 1, 192)}
+    for r in rows:
+        auto, fixed = r["configs"]
+        assert auto["auto"] and (auto["block_n"], auto["num_splits"]) == (128, 2)  # few programs: 128-token tiles
+        assert not fixed["auto"] and (fixed["block_n"], fixed["waves"]) == (16, 2)
+        assert auto["rel_err"] < 1e-2 and fixed["rel_err"] < 1e-2 and r["launch"] == "128:4:2 s2"
+
+
 def test_query_view_of_fused_qkv():
     # Owners receive q as a slice of the fused QKV rows: row stride > Hq * d.
     case = make_paged_case([1, 1], [21, 40], num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, seed=6)

@@ -28,5 +28,6 @@ def test_served_and_offline_give_the_same_tokens(tmp_path):
     for timeline, wall in zip(report["served_timelines"], report["rows"]["served"]["walls"]):
         assert timeline["steps"] >= 4 and timeline["admitting_steps"] >= 1
         assert 0 <= timeline["first_arrival_s"] <= timeline["last_arrival_s"] <= timeline["last_reply_s"] <= wall
+        assert timeline["full_gc"] >= 0 and timeline["full_gc_s"] >= 0  # the pool's full collections
     assert report["pool"]["steps"] >= 2 * 4 and report["pool"]["completed"] == 8 * 4  # a warm-up and 3 timed passes of 8
     assert report["pool"]["graph_captures"] == 0

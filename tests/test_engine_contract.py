@@ -59,7 +59,7 @@ def test_engine_config_per_mode():
     base = EngineConfig(cuda_graphs=True)
     assert engine_config_for(Mode.TKNP_DUAL, base).microbatches == 2
     assert engine_config_for(Mode.TKNP, base) is base
-    assert not engine_config_for("pp", base).cuda_graphs
+    assert engine_config_for("pp", base) is base  # PP replays each stage's share from graphs
     assert not engine_config_for(Mode.DCP, base).cuda_graphs
     with pytest.raises(ValueError, match="tknp-dual"):
         engine_config_for(Mode.TKNP, EngineConfig(microbatches=2))
@@ -132,3 +132,41 @@ def test_admitter_owner_filter_and_coordinator_ingest():
     every = _FakeCache()
     Admitter(every, kv_slice, torch.device("cpu")).apply(admissions[1:2])
     assert every.assigned == [0]
+
+
+def heap_worker(rank: int, world: int, freeze: bool) -> dict:
+    """Build a tiny TKNP engine with or without ``freeze_gc``, generate, then drop it and
+    destroy the groups; report the frozen-object counts and whether the executor (its
+    graphs and KV cache with it) was collected."""
+    import gc
+    import weakref
+
+    import parallel_state as ps
+    from tknp_megatron.config import get_preset
+    from tknp_megatron.sampling import SamplingParams
+
+    groups = ps.initialize_model_parallel(tensor_model_parallel_size=1, token_parallel_size=1)
+    config = EngineConfig(kv_tokens_per_node=256, cuda_graphs=True, freeze_gc=freeze)
+    engine = build_engine(Mode.TKNP, get_preset("tiny"), groups, config, torch.device("cpu"), torch.float32)
+    frozen_built = gc.get_freeze_count()
+    tokens = [list(r.tokens) for r in engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=3))]
+    executor = weakref.ref(engine.executor)
+    cycle = [engine]
+    cycle.append(cycle)  # the engine kept alive only by a reference cycle, as a caller might
+    del engine, cycle
+    ps.destroy_model_parallel()
+    return dict(frozen_built=frozen_built, frozen_after=gc.get_freeze_count(),
+                executor_collected=executor() is None, tokens=tokens)
+
+
+def test_engine_freezes_its_heap_and_the_teardown_collects_it():
+    """EngineConfig.freeze_gc moves the built heap out of the collector's reach (so a full
+    collection does not stall a step); destroy_model_parallel thaws and collects it, so an
+    engine dropped before it is gone, CUDA graphs included, before any group is destroyed."""
+    from tknp_megatron.launch import spawn
+
+    frozen = spawn(heap_worker, 1, (True,), timeout_s=180)[0]
+    plain = spawn(heap_worker, 1, (False,), timeout_s=180)[0]
+    assert frozen["frozen_built"] > 10_000 and plain["frozen_built"] == 0
+    assert frozen["frozen_after"] == 0 and frozen["executor_collected"] and plain["executor_collected"]
+    assert frozen["tokens"] == plain["tokens"] and all(len(t) == 3 for t in frozen["tokens"])

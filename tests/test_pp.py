@@ -3,7 +3,9 @@
 Stages hold TKNP's layer blocks; every stage keeps every request's KV for its own layers;
 microbatches are pipelined across steps. Greedy tokens equal the reference, logits within
 1e-4, for (stages, TP) in {(1,2), (2,1), (3,1), (2,2)}, with waves, mid-batch completion,
-seeded sampling and bad input; outside KV other than synthetic is refused by name.
+seeded sampling and bad input, and on the bucketed, padded path each stage's CUDA graphs
+replay (run eagerly on CPU, after the all-padding steps a GPU captures at start-up);
+outside KV other than synthetic is refused by name.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from tknp_megatron.mode import Mode
 
 WORLDS = {2: [(1, 2), (2, 1)], 3: [(3, 1)], 4: [(2, 2)]}
 SHAPES = [s for shapes in WORLDS.values() for s in shapes]
-PP_SCENARIOS = [s for s in SCENARIOS if not s.ingest and not s.graphs]
+PP_SCENARIOS = [s for s in SCENARIOS if not s.ingest]
 INGEST = [s for s in SCENARIOS if s.ingest]
 
 
@@ -37,6 +39,12 @@ def test_pp_matches_reference(pp, reference, shape, scenario):
     run = pp[(*shape, scenario.name)]
     ref, _ = reference[scenario.name]
     assert_matches_reference(run["results"][: len(scenario.prompts)], ref, logits=not scenario.graphs)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"S{s[0]}T{s[1]}")
+def test_pp_graph_path_is_taken(pp, shape):
+    assert pp[(*shape, "llama-graph-path")]["graph_steps"] > 0  # stage 0's steps replayed from its graphs
+    assert pp[(*shape, "llama-waves")]["graph_steps"] == 0
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"S{s[0]}T{s[1]}")

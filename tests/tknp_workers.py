@@ -118,7 +118,7 @@ def tknp_worker(rank, world, shapes, scenarios, seed, kv_by_scenario, mode="tknp
                                   cuda_graphs=s.graphs)
             engine = build_engine(shape_mode, get_preset(s.preset), groups, config, torch.device("cpu"),
                                   torch.float32, weights=seed)
-            if s.graphs and shape_mode in (Mode.TKNP, Mode.DP):  # (dual roots capture on first sight)
+            if s.graphs and shape_mode in (Mode.TKNP, Mode.DP, Mode.PP):  # (dual roots capture on first sight)
                 # the all-padding steps a GPU captures at start-up, run first (eagerly here):
                 # they must leave every request's tokens as they were
                 assert engine.executor.graphs.capture_buckets(CAPTURED_AHEAD) > 0
@@ -154,6 +154,7 @@ def run_scenario(engine, s: Scenario, kvs):
         waves=engine.metrics().waves,
         capacity=engine.kv_capacity_tokens,
         microbatch={i: engine.requests[i].microbatch for i in ids},
+        graph_steps=engine.executor.graphs.replays if getattr(engine.executor, "graphs", None) else 0,
     )
 
 

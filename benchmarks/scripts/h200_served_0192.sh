@@ -8,6 +8,7 @@
 #   now      the current tree as it serves by default
 #   1http    the current tree with one HTTP process (--frontend-replicas 1)
 #   lazy     the current tree capturing each graph bucket on first use (--lazy-graph-capture)
+#   nofreeze the current tree leaving the built engine's heap to the garbage collector (--no-gc-freeze)
 #   before   the tree in directory BEFORE (an older version, run as it was)
 # Set up by the caller: megatron-core 0.19.2 and the server wheels (pyzmq, msgpack, quart,
 # hypercorn, aiohttp, requests and their dependencies) on PYTHONPATH.
@@ -28,6 +29,7 @@ for n in ${LENS:-128 256 1024}; do
     case $v in
       1http) extra="--frontend-replicas 1" ;;
       lazy) extra="--lazy-graph-capture" ;;
+      nofreeze) extra="--no-gc-freeze" ;;
       before) dir=${BEFORE:?BEFORE=dir for the before variant} ;;
     esac
     (cd "$dir" && PYTHONPATH=$dir:${PYTHONPATH:-} timeout -k 5 250 python -m tknp_megatron.tools.bench_served \

@@ -6,13 +6,13 @@ pp and dcp (needs W > KV heads: run it on an MQA variant, and TKNP on the same v
 for comparison); :func:`~tknp_megatron.engine.factory.build_engine` builds each.
 Prompts' KV arrives from "outside" (synthetic, identical in every mode), so runs measure
 decode only; metrics count from each request's release time in the workload. CUDA
-graphs, when asked for, apply to TKNP, DP and TP; the PP and DCP baselines run eagerly.
+graphs, when asked for, apply to TKNP, DP, TP and PP (each stage's share of a step); the
+DCP baseline runs eagerly.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import time
 from dataclasses import dataclass
 from typing import List, Optional
@@ -118,10 +118,9 @@ def run_mode(
         dist.all_gather_object(timings, engine.loop_timing.per_step_ms())
     finally:
         engine = None
-        gc.collect()
+        ps.destroy_model_parallel()  # (collects the engine first)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        ps.destroy_model_parallel()
     if dist.get_rank() != 0:
         return None
     run = _merge(mode, workload, [m for m in every if m is not None])

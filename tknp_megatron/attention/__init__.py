@@ -5,7 +5,7 @@ torch), ``triton`` (paged split-K decode; needs ``triton`` and CUDA, or
 ``TRITON_INTERPRET=1`` on CPU) and ``flash`` (only when ``flash_attn`` imports).
 ``get_backend(None, device)`` picks ``triton`` on CUDA when usable, else ``torch``.
 
-The Triton launch helpers (:class:`TritonConfig`, :func:`choose_num_splits`,
+The Triton launch helpers (:class:`TritonConfig`, :func:`decode_launch`, :func:`choose_num_splits`,
 :func:`decode_group_pad`, :func:`device_num_sms`, :func:`load_kernels`, ...) are public so
 that other callers of the paged kernels (DCP's partial attention over one sequence shard)
 launch them exactly as the ``triton`` backend does.
@@ -25,7 +25,9 @@ from tknp_megatron.attention.registry import (
 from tknp_megatron.attention.triton_paged import (
     H200_NUM_SMS,
     TritonConfig,
+    DecodeLaunch,
     choose_num_splits,
+    decode_launch,
     decode_group_pad,
     device_num_sms,
     interpreter_upcast,
@@ -46,7 +48,9 @@ __all__ = [
     # Triton launch helpers
     "H200_NUM_SMS",
     "TritonConfig",
+    "DecodeLaunch",
     "choose_num_splits",
+    "decode_launch",
     "decode_group_pad",
     "device_num_sms",
     "interpreter_upcast",

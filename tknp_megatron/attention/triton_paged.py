@@ -3,10 +3,12 @@
 Decode (``max_query_len <= 1``) launches ``_paged_attn_kernel`` over
 ``(R, Hkv, num_splits)``: each program reads one slice of one request's context for one
 kv head, for all query heads of that group, so K/V is read once per group. The number
-of splits fills the GPU: about ``waves * num_SMs`` programs in total, at least
-``min_split_tokens`` context tokens per split, at most ``max_splits``. With more than
-one split a second small kernel merges the fp32 partials by their log-sum-exp. Grid
-sizes come from host ints only (``R``, ``max_seq_len``), so there is no device sync.
+of splits fills the GPU with one resident wave: at most ``waves * num_SMs`` programs in
+total, at least ``min_split_tokens`` context tokens per split, at most ``max_splits``.
+With more than one split a second small kernel merges the fp32 partials by their
+log-sum-exp. The tile and pipeline depth are chosen per shape (:func:`decode_launch`,
+from the sweeps in ``docs/ARCHITECTURE.md``). Grid sizes come from host ints only (``R``,
+``max_seq_len``), so there is no device sync.
 
 Prefill or mixed batches (``max_query_len > 1``) run the same kernel over query tiles
 (``BLOCK_Q`` rows x the head group); a tile -> request map is built on the device with
@@ -31,9 +33,11 @@ from tknp_megatron.attention.registry import register_backend
 from tknp_megatron.attention.sdpa import sdpa_paged
 
 __all__ = [
+    "DecodeLaunch",
     "TritonConfig",
     "TritonPagedBackend",
     "choose_num_splits",
+    "decode_launch",
     "triton_importable",
     # Launch helpers shared with other callers of the kernels (DCP's partial attention):
     "H200_NUM_SMS",
@@ -55,20 +59,23 @@ class TritonConfig:
     """Launch parameters of the Triton backend.
 
     Attributes:
-        block_n: context tokens per inner-loop tile (power of two, >= 16).
-        num_warps: warps per program of the attention kernel.
-        num_stages: software-pipelining stages of the inner loop.
+        block_n: context tokens per inner-loop tile (power of two, >= 16); ``None``: per
+            shape (:func:`decode_launch` for decode, 64 for prefill).
+        num_warps: warps per program of the attention kernel (``None``: per shape, 4 for
+            prefill).
+        num_stages: software-pipelining stages of the inner loop (``None``: per shape, 2
+            for prefill).
         num_splits: fixed number of KV splits (e.g. for CUDA graphs); ``None`` picks it
             per step with :func:`choose_num_splits`.
         max_splits: upper bound of the heuristic.
         min_split_tokens: fewest context tokens the heuristic gives a split.
-        waves: programs per SM the heuristic aims for.
+        waves: programs per SM the heuristic fills the GPU with (one resident wave).
         prefill: ``"triton"`` (varlen kernel) or ``"sdpa"`` for ``max_query_len > 1``.
     """
 
-    block_n: int = 64
-    num_warps: int = 4
-    num_stages: int = 2
+    block_n: Optional[int] = None
+    num_warps: Optional[int] = None
+    num_stages: Optional[int] = None
     num_splits: Optional[int] = None
     max_splits: int = 64
     min_split_tokens: int = 256
@@ -76,8 +83,11 @@ class TritonConfig:
     prefill: str = "triton"
 
     def __post_init__(self) -> None:
-        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+        if self.block_n is not None and (self.block_n < 16 or self.block_n & (self.block_n - 1)):
             raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
+        for name in ("num_warps", "num_stages"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
         if self.max_splits < 1 or self.min_split_tokens < 1 or self.waves < 1:
@@ -87,7 +97,10 @@ class TritonConfig:
 
 
 def choose_num_splits(programs: int, max_kv_len: int, num_sms: int, config: TritonConfig) -> int:
-    """KV splits so that ``programs * splits`` is about ``waves * num_sms``.
+    """KV splits so that ``programs * splits`` fills one resident wave: at most
+    ``waves * num_sms`` programs (rounded down: a second wave that is only partly full
+    leaves the GPU partly idle for as long as the first; on an H200, 768 programs of the
+    default tile took 1.4x as long per byte as 512).
 
     Args:
         programs: programs without splitting (query tiles x kv heads).
@@ -96,9 +109,53 @@ def choose_num_splits(programs: int, max_kv_len: int, num_sms: int, config: Trit
     """
     if config.num_splits is not None:
         return config.num_splits
-    want = -(-config.waves * num_sms // max(programs, 1))
+    want = config.waves * num_sms // max(programs, 1)
     by_length = max(1, max_kv_len // config.min_split_tokens)
     return max(1, min(want, by_length, config.max_splits))
+
+
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """Launch parameters of one decode call of the kernel."""
+
+    num_splits: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def decode_launch(programs: int, max_kv_len: int, head_dim: int, num_sms: int, config: TritonConfig) -> DecodeLaunch:
+    """The splits (:func:`choose_num_splits`) and the tile of a decode launch, per shape.
+
+    Fields set in ``config`` win; the others follow the H200 sweeps of
+    ``tools/bench_attention.py`` (``docs/ARCHITECTURE.md``, "Paged decode attention"):
+
+    - fewer programs than SMs (small batches and short contexts, launch-bound): 128-token
+      tiles, so each program has fewer steps of its loop;
+    - head dims over 128 (Nemotron's 192 pads to 256 columns): 32-token tiles, 4 warps,
+      2 stages, whose registers and shared memory leave room for more programs per SM;
+    - one split (the batch fills the GPU by itself): 64-token tiles with a third
+      pipeline stage, which hides more of each program's memory latency;
+    - otherwise 64-token tiles, 4 warps, 2 stages.
+
+    Args:
+        programs: programs without splitting (requests x kv heads).
+        max_kv_len: longest context the launch covers (host int).
+        head_dim: the heads' dimension.
+        num_sms: streaming multiprocessors of the GPU.
+    """
+    splits = choose_num_splits(programs, max_kv_len, num_sms, config)
+    if programs * splits < num_sms:
+        tile = (128, 4, 2)
+    elif head_dim > 128:
+        tile = (32, 4, 2)
+    elif splits == 1:
+        tile = (64, 4, 3)
+    else:
+        tile = (64, 4, 2)
+    block_n, warps, stages = (given if given is not None else chosen for given, chosen in
+                              zip((config.block_n, config.num_warps, config.num_stages), tile))
+    return DecodeLaunch(splits, block_n, warps, stages)
 
 
 def next_pow2(x: int) -> int:
@@ -189,8 +246,9 @@ class TritonPagedBackend(AttentionBackend):
         """One query row per request: grid ``(R, Hkv, splits)``, group padded to 16 rows."""
         num_req, num_kv_heads = meta.num_requests, k_cache.shape[2]
         group_pad = decode_group_pad(q.shape[1], num_kv_heads)
-        splits = choose_num_splits(num_req * num_kv_heads, meta.max_seq_len, device_num_sms(q.device), self.config)
-        return self._run(q, k_cache, v_cache, meta, scale, num_req, splits, 1, group_pad, None)
+        launch = decode_launch(num_req * num_kv_heads, meta.max_seq_len, q.shape[2], device_num_sms(q.device),
+                               self.config)
+        return self._run(q, k_cache, v_cache, meta, scale, num_req, 1, group_pad, None, launch)
 
     def varlen(self, q, k_cache, v_cache, meta, scale) -> torch.Tensor:
         """Any query lengths: tiles of ``BLOCK_Q`` rows x the head group (>= 64 matrix rows)."""
@@ -198,18 +256,20 @@ class TritonPagedBackend(AttentionBackend):
         group_pad = next_pow2(q.shape[1] // num_kv_heads)
         block_q = max(1, 64 // group_pad)
         tile_req, tile_first, num_tiles = _tile_map(meta, q.shape[0], block_q)
-        splits = choose_num_splits(num_tiles * num_kv_heads, meta.max_seq_len, device_num_sms(q.device), self.config)
-        tiles = (tile_req, tile_first)
-        return self._run(q, k_cache, v_cache, meta, scale, num_tiles, splits, block_q, group_pad, tiles)
-
-    def _run(self, q, k_cache, v_cache, meta, scale, num_tiles, splits, block_q, group_pad, tiles):
-        kernels = load_kernels()
         cfg = self.config
+        splits = choose_num_splits(num_tiles * num_kv_heads, meta.max_seq_len, device_num_sms(q.device), cfg)
+        launch = DecodeLaunch(splits, cfg.block_n or 64, cfg.num_warps or 4, cfg.num_stages or 2)
+        tiles = (tile_req, tile_first)
+        return self._run(q, k_cache, v_cache, meta, scale, num_tiles, block_q, group_pad, tiles, launch)
+
+    def _run(self, q, k_cache, v_cache, meta, scale, num_tiles, block_q, group_pad, tiles, how: DecodeLaunch):
+        kernels = load_kernels()
+        splits = how.num_splits
         out = torch.empty_like(q)
         launch = functools.partial(
             kernels.launch_paged_attention, q, k_cache, v_cache, meta=meta, scale=scale,
             num_tiles=num_tiles, num_splits=splits, block_q=block_q, group_pad=group_pad,
-            block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            block_n=how.block_n, num_warps=how.num_warps, num_stages=how.num_stages,
             tile_req=tiles[0] if tiles else None, tile_first=tiles[1] if tiles else None,
             upcast=interpreter_upcast(q.dtype),
         )

@@ -145,7 +145,7 @@ def partial_attention_triton(
     Row ``r`` must be request ``r``'s newest token (``rows == R``), whose own k/v (if this
     shard holds it) is already cached, so all ``local_lens[r]`` local tokens are visible.
     The kernel always runs in its partial form (fp32 per-split outputs and log2-sum-exp,
-    splits from :func:`~tknp_megatron.attention.triton_paged.choose_num_splits`), merged
+    splits and tile from :func:`~tknp_megatron.attention.triton_paged.decode_launch`), merged
     by :func:`_merge_splits`. No host sync: grid sizes come from host ints.
 
     Args:
@@ -166,15 +166,15 @@ def partial_attention_triton(
     q = q.to(k_cache.dtype)
     q = q if q.stride(-1) == 1 else q.contiguous()
     num_kv_heads = k_cache.shape[2]
-    sms = paged.device_num_sms(q.device)
-    splits = paged.choose_num_splits(rows * num_kv_heads, meta.max_local_len, sms, _TRITON)
+    how = paged.decode_launch(rows * num_kv_heads, meta.max_local_len, d, paged.device_num_sms(q.device), _TRITON)
+    splits = how.num_splits
     part = torch.empty((rows, heads, splits, d), dtype=torch.float32, device=q.device)
     lse2 = torch.empty((rows, heads, splits), dtype=torch.float32, device=q.device)
     paged.load_kernels().launch_paged_attention(
         q, k_cache, v_cache, part, lse2, decode_metadata(meta) if meta.kernel is None else meta.kernel, scale,
         num_tiles=rows, num_splits=splits, block_q=1,
         group_pad=paged.decode_group_pad(heads, num_kv_heads),
-        block_n=_TRITON.block_n, num_warps=_TRITON.num_warps, num_stages=_TRITON.num_stages,
+        block_n=how.block_n, num_warps=how.num_warps, num_stages=how.num_stages,
         upcast=paged.interpreter_upcast(q.dtype),
     )
     return _merge_splits(part, lse2)

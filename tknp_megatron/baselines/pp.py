@@ -9,6 +9,13 @@ its previous tokens come back from the last stage, so with M = N microbatches ev
 stage stays busy (vLLM-style pipelining, no per-step fill and drain). Plans travel with
 the hidden state, stage to stage between matching TP ranks; the last stage returns the
 sampled tokens to the coordinator.
+
+With CUDA graphs, each stage replays its own share of a pure-decode microbatch step (the
+embedding on stage 0, its layers, the sampling on the last stage) from a graph per batch
+bucket, captured when the engine is built, as TKNP's whole step is
+(:mod:`~tknp_megatron.executor.cuda_graphs`). The plan and the hidden state still travel
+between stages outside the graphs, as the real rows only: each stage pads them into its
+graph's buffers and sends the real rows of its output on.
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ from tknp_megatron.executor.dense import finish_layer, qkv_projection, vocab_log
 from tknp_megatron.executor.ingest import Admitter, KVSlice
 from tknp_megatron.executor.owner_attention import OwnerAttention
 from tknp_megatron.executor.rope import Rope
-from tknp_megatron.executor.step_inputs import prepare_inputs
+from tknp_megatron.executor.step_inputs import pad_plan, prepare_inputs
+from tknp_megatron.host_to_device import to_device
 from tknp_megatron.executor.tknp import draw_tokens
 from tknp_megatron.models.precision import dense_autocast
 from tknp_megatron.sampling import pack_log_probs, token_log_probs, unpack_log_probs
@@ -56,9 +64,20 @@ class PPExecutor:
         self.hidden_size = cfg.hidden_size
         self._pending: List = []  # sends of the previous tick still in flight
         self._local: Dict[int, StepOutput] = {}  # one-stage pipeline: step -> its output
+        self.graphs = None  # set by enable_cuda_graphs
+        self.plan_owners = 1  # every plan has one logical owner: every stage holds every request
 
     def enable_cuda_graphs(self, max_requests_per_owner: int = 0) -> None:
-        raise ValueError("the PP baseline runs eagerly: set EngineConfig.cuda_graphs=False")
+        """Replay this stage's share of pure-decode steps from CUDA graphs, one per batch
+        bucket; with ``max_requests_per_owner``, on a GPU, capture every bucket up to it
+        now (every rank of the stage together: the graphs hold its TP collectives).
+
+        Off GPU the bucketed, padded path runs eagerly (what the graphs replay)."""
+        from tknp_megatron.executor.cuda_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self, capture=self.device.type == "cuda")
+        if max_requests_per_owner and self.graphs.capture:
+            self.graphs.capture_buckets(max_requests_per_owner)
 
     # ---------------------------------------------------------------- links
     def _rank(self, stage: int, tp_rank: Optional[int] = None) -> int:
@@ -131,8 +150,15 @@ class PPExecutor:
         > 0), its layers, then on to the next stage; the last stage returns the tokens
         ``[R]`` (and logits ``[R, V]``) and sends them to the coordinator."""
         hidden = self._receive_hidden(plan) if self.stage > 0 else None
+        self.apply_admissions(plan.admissions)
+        use_graph = (self.graphs is not None and timer is None and plan.num_requests and plan.max_query_len == 1
+                     and not plan.record_logits and plan.log_probs_top_n < 0)  # graphs replay the tokens-only step
         with dense_autocast(self.model.config, self.groups.tp_group):  # FP8 GEMMs if stored FP8
-            out = self._run(plan, hidden)
+            if use_graph:
+                out = self.graphs.run(plan, hidden)  # hidden [R, 1, D], or the last stage's tokens [R]
+                out = out if self.stage < self.num_stages - 1 else (out, None)
+            else:
+                out = self._run(plan, hidden)
         if self.stage < self.num_stages - 1:
             self._send_next(plan, out)
             return None
@@ -157,10 +183,13 @@ class PPExecutor:
     def _run(self, plan: StepPlan, hidden: Optional[torch.Tensor]):
         """This stage's layers for ``plan``: hidden ``[rows, 1, D]`` out, or on the last
         stage ``(tokens [R], logits [R, V])``."""
-        self.apply_admissions(plan.admissions)
         if not plan.num_requests:  # admissions only: nothing to compute this tick
             return torch.empty(0, 1, self.hidden_size, dtype=self.dtype, device=self.device)
-        inp = prepare_inputs(plan, 0, self.kv, self.rope, self.device)
+        return self._forward(prepare_inputs(plan, 0, self.kv, self.rope, self.device), hidden)
+
+    def _forward(self, inp, hidden: Optional[torch.Tensor]):
+        """The stage's computation over prepared inputs: (stage 0) the embedding, the
+        stage's layers, and (last stage) the logits and tokens."""
         if self.stage == 0:
             hidden = self.model.embedding(inp.tokens.unsqueeze(0), position_ids=None)
         for layer in self.model.layer_ids:
@@ -172,6 +201,29 @@ class PPExecutor:
         groups = self.groups
         logits = vocab_logits(self.model, hidden, inp.last_rows, groups.tp_group, groups.tp_size, self.vocab)
         return draw_tokens(logits, inp.sampling, inp.shape.all_greedy), logits
+
+    # ---------------------------------------------------------------- graphs
+    def graph_inputs(self, plan: StepPlan, hidden: Optional[torch.Tensor], max_seq_len: int):
+        """For :class:`~tknp_megatron.executor.cuda_graphs.DecodeGraphs`: ``(layout key,
+        (inputs of the padded plan, padded hidden [rows, 1, D] or None on stage 0), [R]
+        index of each real request in the padded batch)``; ``hidden`` is the previous
+        stage's real rows (None: zeros, as the captures at start-up run)."""
+        padded, index = pad_plan(plan, self.kv.dummy_slot)
+        inp = prepare_inputs(padded, 0, self.kv, self.rope, self.device, max_seq_len)
+        buf = None
+        if self.stage > 0:
+            buf = torch.zeros(padded.num_rows, 1, self.hidden_size, dtype=self.dtype, device=self.device)
+            if hidden is not None:
+                (where,) = to_device((index,), self.device)
+                buf.index_copy_(0, where, hidden)
+        return inp.shape, (inp, buf), index
+
+    def graph_forward(self, inputs) -> torch.Tensor:
+        """The captured body: the padded hidden ``[rows, 1, D]``, or on the last stage the
+        padded tokens ``[rows]``."""
+        inp, hidden = inputs
+        out = self._forward(inp, hidden)
+        return out if self.stage < self.num_stages - 1 else out[0]
 
 
 class PPInferenceEngine(InferenceEngine):

@@ -17,6 +17,7 @@ Names follow Megatron-Core's inference engines where they overlap (``add_request
 from __future__ import annotations
 
 import abc
+import gc
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -42,7 +43,7 @@ from tknp_megatron.plan import StepPlan
 from tknp_megatron.profiler import LoopTiming
 from tknp_megatron.sampling import SamplingParams
 
-__all__ = ["Arrival", "BuiltExecutor", "EngineConfig", "GenerationResult", "InferenceEngine"]
+__all__ = ["Arrival", "BuiltExecutor", "EngineConfig", "GenerationResult", "InferenceEngine", "freeze_heap"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,14 @@ class BuiltExecutor:
     kv: PagedKVCache
     block_counts: Tuple[int, ...]
     ingest: Optional[KVIngest] = None
+
+
+def freeze_heap() -> None:
+    """Collect, then move every object alive into the garbage collector's permanent
+    generation (``EngineConfig.freeze_gc`` says why); undone by
+    ``parallel_state.destroy_model_parallel``, which must collect the engines dropped."""
+    gc.collect()
+    gc.freeze()
 
 
 class InferenceEngine(abc.ABC):
@@ -112,6 +121,8 @@ class InferenceEngine(abc.ABC):
                 config.policy, config.max_requests_per_node, config.max_prefill_tokens
             )
             self.scheduler = Scheduler(sched_cfg, allocators, clock)
+        if config.freeze_gc:
+            freeze_heap()
 
     @abc.abstractmethod
     def _build_executor(self, model: StageModel) -> BuiltExecutor:

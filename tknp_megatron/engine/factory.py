@@ -102,15 +102,15 @@ def load_weights(model: torch.nn.Module, preset: ModelPreset, weights: Weights) 
 
 
 def engine_config_for(mode: Mode, config: EngineConfig) -> EngineConfig:
-    """``config`` as ``mode`` runs it: two microbatches for ``tknp-dual``; PP and DCP
-    run eagerly (no CUDA graphs)."""
+    """``config`` as ``mode`` runs it: two microbatches for ``tknp-dual``; DCP runs
+    eagerly (no CUDA graphs)."""
     mode = Mode(mode)
     if mode is Mode.TKNP_DUAL:
         return dataclasses.replace(config, microbatches=2)
     if config.microbatches != 1:
         raise ValueError(f"microbatches={config.microbatches} is mode {Mode.TKNP_DUAL.value!r}, "
                          f"not {mode.value!r}")
-    if mode in (Mode.PP, Mode.DCP) and config.cuda_graphs:
+    if mode is Mode.DCP and config.cuda_graphs:
         return dataclasses.replace(config, cuda_graphs=False)
     return config
 

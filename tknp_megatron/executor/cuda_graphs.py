@@ -53,15 +53,18 @@ class DecodeGraphs:
         self.captures = 0  # graphs captured so far (capture_buckets' included)
         self.replays = 0  # steps run through run()
 
-    def run(self, plan: StepPlan, last_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Replay (capturing on first sight) the step of a pure-decode ``plan``: ``[R]`` tokens.
+    def run(self, plan: StepPlan, carry: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Replay (capturing on first sight) the step of a pure-decode ``plan``; returns the
+        captured body's output at the real requests' rows (``[R]`` tokens, or a pipeline
+        stage's ``[R, 1, D]`` hidden state).
 
-        ``last_tokens``: the previous step's tokens, for rows the plan feeds from them.
-        The executor pads the plan and prepares the inputs (``graph_inputs``) and runs the
-        captured body (``graph_forward``).
+        ``carry``: what the step takes from outside the graph, padded by the executor: the
+        previous step's tokens for rows the plan feeds from them (TKNP), or the previous
+        stage's hidden state (PP). The executor pads the plan and prepares the inputs
+        (``graph_inputs``) and runs the captured body (``graph_forward``).
         """
         ex = self.ex
-        key, inputs, index = ex.graph_inputs(plan, last_tokens, self.max_seq_len)
+        key, inputs, index = ex.graph_inputs(plan, carry, self.max_seq_len)
         (index,) = to_device((index,), ex.device)
         self.replays += 1
         if not self.capture:
@@ -89,7 +92,7 @@ class DecodeGraphs:
     def _capture_buckets(self, max_requests_per_owner: int) -> int:
         ex, done = self.ex, 0
         sizes = sorted({bucket(n) for n in range(1, max_requests_per_owner + 1)}, reverse=True)
-        empty = dataclasses.replace(StepPlan.idle_plan(ex.groups.num_nodes), idle=False)  # no requests
+        empty = dataclasses.replace(StepPlan.idle_plan(ex.plan_owners), idle=False)  # no requests
         for size in sizes:
             padded, _ = pad_plan(empty, ex.kv.dummy_slot, size)
             for greedy in (True, False):

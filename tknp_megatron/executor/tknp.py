@@ -92,6 +92,7 @@ class TKNPExecutor:
                                     self.head_dim)  # an owner keeps every layer of its requests
         self.admitter = Admitter(kv, kv_slice, device, owner=self.node, ingest=ingest)
         self.graphs = None  # set by enable_cuda_graphs
+        self.plan_owners = groups.num_nodes  # a plan's owners: every node
         self.last_tokens: Optional[torch.Tensor] = None  # [R] previous step's tokens (device)
 
     def enable_cuda_graphs(self, max_requests_per_owner: int = 0) -> None:

@@ -21,11 +21,13 @@ the pool follow from :meth:`~tknp_megatron.engine.base.InferenceEngine.serve` as
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
+from tknp_megatron.engine.base import freeze_heap
 from tknp_megatron.engine.engine import LockstepEngine
 from tknp_megatron.engine.request import RequestStatus
 from tknp_megatron.serving.coordinator_link import CoordinatorLink, Message
@@ -71,6 +73,7 @@ class PoolServer:
             max_sequence_length, idle_tick_s, should_stop)
         self.step_log = step_log
         self._events: List[tuple] = []  # with step_log: (kind, perf_counter time, ...)
+        self._gc_start = 0.0
         self.paused = False
         self._stop_by = ""
         self._open: Dict[int, Tuple[tuple, dict]] = {}  # id -> (prompt, Megatron params)
@@ -80,10 +83,15 @@ class PoolServer:
     def run(self) -> ServeSummary:
         """Serve until STOP or ``should_stop()``; re-raises a pool failure after replying
         FAILED to every open request."""
-        engine, last_collective = self.engine, time.monotonic()
+        engine = self.engine
+        if engine.config.freeze_gc:  # again: the server's own set-up since the engine froze its heap
+            freeze_heap()
+        last_collective = time.monotonic()
         engine.loop_timing.clear()
         replays0, captures0 = self._graph_counts()
         server_s = 0.0  # busy turns' time outside engine.step
+        if self.step_log:
+            gc.callbacks.append(self._log_gc)
         try:
             while True:
                 busy = not self.paused and engine.has_unfinished_requests()
@@ -112,6 +120,9 @@ class PoolServer:
             self._end_open(reason)
             self._refuse_late_arrivals(reason)
             raise
+        finally:
+            if self._log_gc in gc.callbacks:
+                gc.callbacks.remove(self._log_gc)
         reason = f"the server stopped ({self._stop_by}) before the request finished"
         self._end_open(reason)
         engine.shutdown()
@@ -190,12 +201,20 @@ class PoolServer:
         self._events.append(("step", start, end, plan.num_requests if plan else 0,
                              len(plan.admissions) if plan else 0, graph))
 
+    def _log_gc(self, phase: str, info: dict) -> None:
+        """``gc.callbacks`` hook: each collection's start and end and its generation."""
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self._events.append(("gc", self._gc_start, time.perf_counter(), info["generation"]))
+
     def _write_step_log(self, summary: ServeSummary) -> None:
         """The events as JSON lines (``step_log``), then the summary, once the pool stopped."""
         if not self.step_log:
             return
         names = {"arrive": ("t",), "reply": ("t", "requests"),
-                 "step": ("start", "end", "batch", "admitted", "graph")}
+                 "step": ("start", "end", "batch", "admitted", "graph"),
+                 "gc": ("start", "end", "generation")}
         with open(self.step_log, "w") as f:
             for kind, *values in self._events:
                 f.write(json.dumps(dict(kind=kind, **dict(zip(names[kind], values)))) + "\n")

@@ -29,14 +29,18 @@ import sys
 import time
 from pathlib import Path
 
-COLUMNS = ["B", "ctx", "hq/hkv", "triton_us", "triton_TBps", "pct_of_copy", "sdpa_us", "sdpa_TBps", "copy_TBps", "rel_err"]
+COLUMNS = ["B", "ctx", "hq/hkv/d", "triton_us", "triton_TBps", "pct_of_copy", "sdpa_us", "sdpa_TBps", "copy_TBps", "rel_err"]
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, nargs="+", default=[8, 32, 128])
     p.add_argument("--ctx", type=int, nargs="+", default=[4096, 32768, 131072])
-    p.add_argument("--heads", nargs="+", default=["16:1", "8:1"], help="q_heads:kv_heads per rank")
+    p.add_argument("--heads", nargs="+", default=["16:1", "8:1"],
+                   help="q_heads:kv_heads[:head_dim] per rank (head dim defaults to --head-dim)")
+    p.add_argument("--models", nargs="+", default=None,
+                   help="model presets whose per-rank shapes at each --tp replace --heads")
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 8], help="TP sizes of --models")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
@@ -45,10 +49,13 @@ def parse_args(argv=None):
     p.add_argument("--query-sets", type=int, default=4, help="query tensors rotated among reps")
     p.add_argument("--ref-requests", type=int, default=16, help="requests checked against the reference")
     p.add_argument("--configs", nargs="+", default=["64:4:2"],
-                   help="triton configs block_n:num_warps:num_stages; the first is the reported one")
+                   help="triton configs block_n:num_warps:num_stages[:waves], or auto (the backend's own choice "
+                        "per shape); the first is the reported one")
     p.add_argument("--num-splits", type=int, default=None, help="fix the split count (default: heuristic)")
     p.add_argument("--waves", type=int, default=4, help="split heuristic: programs per SM")
     p.add_argument("--min-split-tokens", type=int, default=256, help="split heuristic: fewest tokens a split gets")
+    p.add_argument("--max-splits", type=int, default=None, help="split heuristic: most splits (default: the backend's)")
+    p.add_argument("--max-kv-gib", type=float, default=None, help="skip shapes whose K+V exceed this many GiB")
     p.add_argument("--no-flush", action="store_true", help="do not flush L2 between reps")
     p.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph timing of triton")
     p.add_argument("--out", default=None)
@@ -61,7 +68,29 @@ def parse_args(argv=None):
         args.num_splits = 3 if args.num_splits is None else args.num_splits
     if args.out is None and os.environ.get("OUT"):
         args.out = os.path.join(os.environ["OUT"], "bench_attention.json")
+    args.shapes = shapes_of(args)
     return args
+
+
+def shapes_of(args):
+    """``[(hq, hkv, head_dim)]`` per rank: from ``--models`` x ``--tp``, else ``--heads``."""
+    shapes = []
+    if args.models:
+        from tknp_megatron.config import get_preset
+
+        for name in args.models:
+            preset = get_preset(name)
+            for tp in args.tp:
+                if preset.num_attention_heads % tp:
+                    raise SystemExit(f"--tp {tp}: {name}'s {preset.num_attention_heads} heads do not split")
+                shapes.append((preset.num_attention_heads // tp, preset.local_kv_heads(tp), preset.kv_channels))
+    else:
+        for spec in args.heads:
+            parts = [int(x) for x in spec.split(":")]
+            if len(parts) not in (2, 3):
+                raise SystemExit(f"--heads {spec!r}: expected q_heads:kv_heads[:head_dim]")
+            shapes.append((parts[0], parts[1], parts[2] if len(parts) == 3 else args.head_dim))
+    return list(dict.fromkeys(shapes))
 
 
 class Timer:
@@ -106,21 +135,24 @@ def bytes_needed(batch, ctx, hkv, d, elem, block_size):
     return int(4 * kv + (512 << 20))
 
 
-def run_shape(env, args, batch, ctx, hq, hkv):
+def run_shape(env, args, batch, ctx, hq, hkv, head_dim):
     """Check and time one shape; returns its JSON row."""
     torch, device = env["torch"], env["device"]
     dtype = getattr(torch, args.dtype)
     elem = torch.finfo(dtype).bits // 8
-    row = dict(B=batch, ctx=ctx, hq=hq, hkv=hkv, head_dim=args.head_dim, block_size=args.block_size, dtype=args.dtype)
-    row["kv_bytes"] = 2 * batch * ctx * hkv * args.head_dim * elem
+    row = dict(B=batch, ctx=ctx, hq=hq, hkv=hkv, head_dim=head_dim, block_size=args.block_size, dtype=args.dtype)
+    row["kv_bytes"] = 2 * batch * ctx * hkv * head_dim * elem
+    if args.max_kv_gib is not None and row["kv_bytes"] > args.max_kv_gib * 2**30:
+        row["status"] = f"skipped: K+V {row['kv_bytes'] / 2**30:.1f} GiB > --max-kv-gib {args.max_kv_gib}"
+        return row
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
-        need = bytes_needed(batch, ctx, hkv, args.head_dim, elem, args.block_size)
+        need = bytes_needed(batch, ctx, hkv, head_dim, elem, args.block_size)
         if need > 0.9 * free:
             row["status"] = f"skipped: needs {need / 2**30:.1f} GiB, free {free / 2**30:.1f} GiB"
             return row
     case = env["testing"].make_paged_case(
-        [1] * batch, [ctx] * batch, num_heads=hq, num_kv_heads=hkv, head_dim=args.head_dim,
+        [1] * batch, [ctx] * batch, num_heads=hq, num_kv_heads=hkv, head_dim=head_dim,
         block_size=args.block_size, dtype=dtype, device=device, seed=batch + ctx + hq)
     qs = [case.q] + [torch.randn_like(case.q) for _ in range(args.query_sets - 1)]
     out = check_and_time_triton(env, args, case, qs, row)
@@ -135,33 +167,71 @@ def run_shape(env, args, batch, ctx, hq, hkv):
 
 
 def check_and_time_triton(env, args, case, qs, row):
-    """Relative error against the reference, then eager (and graphed) times per config."""
+    """Relative error against the reference, then eager (and graphed) times per config.
+
+    Every config is checked against the reference before it is timed; one that fails to
+    compile (e.g. out of shared memory) or is wrong is recorded as such and not timed.
+    The first config is the reported one and must work.
+    """
     attn, meta, batch = env["attn"], case.meta, len(qs[0])
-    configs = [tuple(int(x) for x in c.split(":")) for c in args.configs]
-    backends = [attn.get_backend("triton", env["device"], block_n=bn, num_warps=w, num_stages=s, waves=args.waves,
-                                 num_splits=args.num_splits, min_split_tokens=args.min_split_tokens)
-                for bn, w, s in configs]
-    row["num_splits"] = env["choose_splits"](batch * row["hkv"], row["ctx"], env["num_sms"], backends[0].config)
+    configs = [parse_config(c, args.waves) for c in args.configs]
+    limits = {} if args.max_splits is None else dict(max_splits=args.max_splits)
+    backends = []
+    for bn, w, s, waves in configs:
+        launch = {} if bn is None else dict(block_n=bn, num_warps=w, num_stages=s)
+        backends.append(attn.get_backend("triton", env["device"], waves=waves, num_splits=args.num_splits,
+                                         min_split_tokens=args.min_split_tokens, **limits, **launch))
+    row["num_splits"] = env["decode_launch"](batch * row["hkv"], row["ctx"], row["head_dim"], env["num_sms"],
+                                             backends[0].config).num_splits
     n_ref = min(batch, args.ref_requests)
     sub = attn.AttentionMetadata(meta.query_start_loc[: n_ref + 1], meta.seq_lens[:n_ref], meta.block_table[:n_ref],
                                  1, meta.max_seq_len)
     ref = attn.get_backend("torch")(case.q[:n_ref], case.k_cache, case.v_cache, sub, case.scale)
     out = backends[0](*case.args())
     row["rel_err"], row["ref_requests"] = rel_err(out[:n_ref], ref), n_ref
-    calls = [lambda q, b=b: b(q, case.k_cache, case.v_cache, meta, case.scale) for b in backends]
     graphs = env["device"].type == "cuda" and not args.no_graphs
     row["configs"] = []
-    for (bn, w, s), call in zip(configs, calls):
-        timing = dict(block_n=bn, num_warps=w, num_stages=s, us=env["timer"](lambda i, c=call: c(qs[i % len(qs)])))
+    for i, ((bn, w, s, waves), backend) in enumerate(zip(configs, backends)):
+        call = lambda q, b=backend: b(q, case.k_cache, case.v_cache, meta, case.scale)
+        how = env["decode_launch"](batch * row["hkv"], row["ctx"], row["head_dim"], env["num_sms"], backend.config)
+        timing = dict(block_n=how.block_n, num_warps=how.num_warps, num_stages=how.num_stages, waves=waves,
+                      num_splits=how.num_splits, auto=bn is None)
+        row["configs"].append(timing)
+        try:
+            timing["rel_err"] = row["rel_err"] if i == 0 else rel_err(call(case.q)[:n_ref], ref)
+        except Exception as exc:
+            if i == 0:
+                raise
+            timing["status"] = f"error: {type(exc).__name__}: {exc}"[:200]
+            continue
+        if not timing["rel_err"] < 1e-2:
+            timing["status"] = "WRONG"
+            continue
+        timing["us"] = env["timer"](lambda i, c=call: c(qs[i % len(qs)]))
         if graphs:
             timing["graph_us"] = graph_time(env, call, qs)
-        row["configs"].append(timing)
+    timed = [c for c in row["configs"] if "us" in c]
+    first = row["configs"][0]
+    row["launch"] = f"{first['block_n']}:{first['num_warps']}:{first['num_stages']} s{first['num_splits']}"
     row["triton_us"] = row["configs"][0]["us"]
-    row["triton_best_us"] = min(c["us"] for c in row["configs"])
+    row["triton_best_us"] = min(c["us"] for c in timed)
     if graphs:
         row["triton_graph_us"] = row["configs"][0]["graph_us"]
-        row["triton_best_graph_us"] = min(c["graph_us"] for c in row["configs"])
+        best = min(timed, key=lambda c: c["graph_us"])
+        row["triton_best_graph_us"] = best["graph_us"]
+        row["best_config"] = f"{best['block_n']}:{best['num_warps']}:{best['num_stages']}:{best['waves']}"
     return out
+
+
+def parse_config(text: str, waves: int):
+    """``"auto"`` or ``"block_n:num_warps:num_stages[:waves]"`` -> ``(bn, w, s, waves)``
+    (``None`` launch fields: the backend's own choice)."""
+    if text == "auto":
+        return None, None, None, waves
+    parts = [int(x) for x in text.split(":")]
+    if len(parts) not in (3, 4):
+        raise SystemExit(f"--configs {text!r}: expected block_n:num_warps:num_stages[:waves] or auto")
+    return (*parts[:3], parts[3] if len(parts) == 4 else waves)
 
 
 def time_contiguous_kernels(env, case, qs, out, row):
@@ -241,10 +311,11 @@ def attn_gather(env, cache, block_table, ctx):
 
 
 def fmt_table(rows):
-    extra = [c for c in ("triton_graph_us", "flash_us") if any(c in r for r in rows)]
+    extra = [c for c in ("launch", "triton_graph_us", "triton_best_graph_us", "best_config", "flash_us")
+             if any(c in r for r in rows)]
     lines = ["  ".join(f"{c:>11}" for c in COLUMNS + extra)]
     for r in rows:
-        head = [r["B"], r["ctx"], f"{r['hq']}/{r['hkv']}"]
+        head = [r["B"], r["ctx"], f"{r['hq']}/{r['hkv']}/{r.get('head_dim', '')}"]
         if r.get("status") not in ("ok", "WRONG"):
             lines.append("  ".join(f"{v!s:>11}" for v in head) + f"  {r.get('status')}")
             continue
@@ -263,7 +334,7 @@ def setup(args):
 
     import tknp_megatron.attention as attn
     from tknp_megatron.attention import paging, testing
-    from tknp_megatron.attention import choose_num_splits, device_num_sms
+    from tknp_megatron.attention import decode_launch, device_num_sms
 
     device = torch.device("cpu" if args.dry_run else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -274,7 +345,7 @@ def setup(args):
         flash_attn = None
     num_sms = device_num_sms(device)
     return dict(torch=torch, F=F, attn=attn, paging=paging, testing=testing, device=device, num_sms=num_sms,
-                choose_splits=choose_num_splits, flash=flash_attn if device.type == "cuda" else None,
+                decode_launch=decode_launch, flash=flash_attn if device.type == "cuda" else None,
                 timer=Timer(torch, device, args.warmup, args.reps, not args.no_flush))
 
 
@@ -288,14 +359,15 @@ def main(argv=None) -> int:
     print("small cases:", json.dumps(checks), flush=True)
     for batch in args.batch:
         for ctx in args.ctx:
-            for heads in args.heads:
-                hq, hkv = (int(x) for x in heads.split(":"))
+            for hq, hkv, head_dim in args.shapes:
                 try:
-                    row = run_shape(env, args, batch, ctx, hq, hkv)
+                    row = run_shape(env, args, batch, ctx, hq, hkv, head_dim)
                 except torch.cuda.OutOfMemoryError as exc:
-                    row = dict(B=batch, ctx=ctx, hq=hq, hkv=hkv, status=f"skipped: OOM ({str(exc)[:80]})")
+                    row = dict(B=batch, ctx=ctx, hq=hq, hkv=hkv, head_dim=head_dim,
+                               status=f"skipped: OOM ({str(exc)[:80]})")
                 except Exception as exc:  # keep going: one broken shape must not lose the others
-                    row = dict(B=batch, ctx=ctx, hq=hq, hkv=hkv, status=f"error: {type(exc).__name__}: {exc}"[:300])
+                    row = dict(B=batch, ctx=ctx, hq=hq, hkv=hkv, head_dim=head_dim,
+                               status=f"error: {type(exc).__name__}: {exc}"[:300])
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 if env["device"].type == "cuda":
@@ -306,7 +378,7 @@ def main(argv=None) -> int:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(info, indent=1))
-    print(f"\n{info['device']}, {args.dtype}, d={args.head_dim}, block={args.block_size}, {info['seconds']:.0f} s")
+    print(f"\n{info['device']}, {args.dtype}, block={args.block_size}, {info['seconds']:.0f} s")
     print(f"small cases: {sum(c['ok'] for c in checks)}/{len(checks)} ok")
     print(fmt_table(rows), flush=True)
     return 0 if all(c["ok"] for c in checks) and all(r.get("status") != "WRONG" and not r.get("status", "").startswith("error") for r in rows) else 1

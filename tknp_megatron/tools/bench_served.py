@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import os
 import shutil
@@ -62,6 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="capture each batch bucket's graph on its first step, not at start-up")
     p.add_argument("--frontend-replicas", type=int, default=None,
                    help="the server's HTTP processes (default: Megatron's default)")
+    p.add_argument("--no-gc-freeze", action="store_true",
+                   help="both paths: do not freeze the engine's heap once built (EngineConfig.freeze_gc)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--passes", type=int, default=3, help="timed passes of each path, after one warm-up")
     p.add_argument("--out", default=None, help="write the results here (JSON)")
@@ -98,6 +99,8 @@ def _engine_flags(args) -> list:
         flags += ["--cuda-graphs"]
     if args.lazy_graph_capture:
         flags += ["--lazy-graph-capture"]
+    if args.no_gc_freeze:
+        flags += ["--no-gc-freeze"]
     return flags
 
 
@@ -116,7 +119,7 @@ def offline_worker(rank: int, world: int, job) -> dict:
     kv = args.kv_tokens_per_node or (4 * preset.gpt.max_sequence_length if args.device == "cpu" else None)
     groups = ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, token_parallel_size=args.nodes)
     config = EngineConfig(kv_tokens_per_node=kv, cuda_graphs=args.cuda_graphs,
-                          capture_at_start=not args.lazy_graph_capture)
+                          capture_at_start=not args.lazy_graph_capture, freeze_gc=not args.no_gc_freeze)
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     built = time.perf_counter()
     engine = build_engine(Mode.TKNP, preset, groups, config, device, dtype, weights=args.seed)
@@ -139,7 +142,6 @@ def offline_worker(rank: int, world: int, job) -> dict:
         engine.loop_timing.clear()
     out = dict(walls=walls[1:], tokens=tokens)
     del engine, results  # first its CUDA graphs (see parallel_state.destroy_model_parallel)
-    gc.collect()
     ps.destroy_model_parallel()
     return out if rank == 0 else None
 
@@ -156,8 +158,24 @@ def run_offline(args, prompts) -> dict:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.gpus),
                "-m", "tknp_megatron.tools.bench_served", *argv, "--stage", "offline",
                "--prompts-file", str(prompts_file), "--out", str(out)]
-        subprocess.run(cmd, check=True, timeout=args.timeout, cwd=ROOT)
+        proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True)
+        try:
+            code = proc.wait(args.timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)  # torchrun and its workers: a worker left behind holds the GPU
+            raise RuntimeError(f"the offline half did not end within --timeout {args.timeout:.0f} s") from None
+        if code:
+            raise RuntimeError(f"the offline half exited with {code}")
         return json.loads(out.read_text())
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc``'s process group (it was started in a session of its own)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 # ----------------------------------------------------------------------------- served
@@ -202,10 +220,12 @@ async def serve_passes(url: str, prompts: List[List[int]], output_len: int, time
 def pass_timeline(events: List[dict], start: float, end: float) -> dict:
     """Where one served pass's wall time went, from the pool's step log (seconds after the
     pass's first send): its first and last arrival at the pool, its first step, its last
-    reply; its steps, how many ran eagerly (admissions, or no graph) and their host time."""
+    reply; its steps, how many ran eagerly (admissions, or no graph) and their host time;
+    the garbage collector's full (generation 2) collections in the pool and their time."""
     inside = [e for e in events if start <= e.get("t", e.get("start", 0)) <= end]
     arrivals = [e["t"] - start for e in inside if e["kind"] == "arrive"]
     steps = [e for e in inside if e["kind"] == "step"]
+    full_gc = [e["end"] - e["start"] for e in inside if e["kind"] == "gc" and e["generation"] == 2]
     replies = [e["t"] - start for e in inside if e["kind"] == "reply"]
     eager = [e for e in steps if not e["graph"]]
     return dict(
@@ -215,6 +235,7 @@ def pass_timeline(events: List[dict], start: float, end: float) -> dict:
         eager_step_host_s=sum(e["end"] - e["start"] for e in eager),
         step_host_s=sum(e["end"] - e["start"] for e in steps),
         admitting_steps=sum(1 for e in steps if e["admitted"]),
+        full_gc=len(full_gc), full_gc_s=sum(full_gc),
     )
 
 
@@ -231,7 +252,7 @@ def run_served(args, prompts) -> dict:
     if args.frontend_replicas:
         flags += ["--frontend-replicas", str(args.frontend_replicas)]
     proc = subprocess.Popen([*launcher, *_engine_flags(args), *flags],
-                            stdout=subprocess.PIPE, text=True, cwd=ROOT)
+                            stdout=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
     ready = threading.Event()
     lines: list = []
 
@@ -253,7 +274,7 @@ def run_served(args, prompts) -> dict:
         try:
             proc.wait(120)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            _kill_group(proc)
     events = [json.loads(x) for x in step_log.read_text().splitlines()] if step_log.exists() else []
     shutil.rmtree(step_log.parent, ignore_errors=True)
     summary = next((e for e in events if e["kind"] == "summary"), {})  # the pool's ServeSummary

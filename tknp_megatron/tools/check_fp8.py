@@ -88,6 +88,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _free(device: torch.device) -> None:
+    gc.unfreeze()  # an engine froze the heap it was built with (EngineConfig.freeze_gc)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)

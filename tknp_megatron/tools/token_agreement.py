@@ -15,7 +15,6 @@ request generates as many tokens as its expected list (no end-of-sequence stop).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
@@ -64,10 +63,9 @@ def _generate(mode: Mode, args, source, prompts, lengths, device) -> Dict[int, L
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, {i: list(r.tokens) for i, r in zip(mine, results)})
     del engine  # its KV cache filled the GPU: free it for the next mode's
-    gc.collect()
+    ps.destroy_model_parallel()  # (collects the engine first)
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    ps.destroy_model_parallel()
     out = {}
     for part in every:
         out.update(part)
