@@ -137,11 +137,12 @@ def test_bench_dry_run(tmp_path):
 
 def test_bench_per_model_shapes_and_launch_choice(tmp_path):
     """--models expands presets into per-rank shapes at each --tp; "auto" is the backend's
-    own per-shape launch, recorded with its tile and splits; a 4-field config sets waves."""
+    own per-shape launch, recorded with its tile and splits; a 4-field config sets waves;
+    --spread gives the requests mixed lengths (checked against the reference, no SDPA)."""
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, "-m", "tknp_megatron.tools.bench_attention", "--dry-run", "--models", "nemotron4-340b",
-         "--tp", "8", "--configs", "auto", "16:4:2:2", "--num-splits", "2", "--out", str(out)],
+         "--tp", "8", "--configs", "auto", "16:4:2:2", "--num-splits", "2", "--spread", "0.5", "--out", str(out)],
         capture_output=True, text=True, timeout=120, cwd=REPO,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -152,6 +153,7 @@ def test_bench_per_model_shapes_and_launch_choice(tmp_path):
         assert auto["auto"] and (auto["block_n"], auto["num_splits"]) == (128, 2)  # few programs: 128-token tiles
         assert not fixed["auto"] and (fixed["block_n"], fixed["waves"]) == (16, 2)
         assert auto["rel_err"] < 1e-2 and fixed["rel_err"] < 1e-2 and r["launch"] == "128:4:2 s2"
+        assert r["mean_ctx"] == 0.75 * r["ctx"] and "sdpa_us" not in r  # 2 requests: ctx and ctx / 2
 
 
 def test_query_view_of_fused_qkv():

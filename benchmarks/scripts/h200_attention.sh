@@ -5,7 +5,10 @@
 #   PART=sweep  times each launch config in CONFIGS (block_n:num_warps:num_stages) per shape; the
 #               first is the backend's choice, so "best_config" says where another one wins
 #   PART=check  times the backend's own choice only (the figures in benchmarks/RESULTS.md)
-# Usage: OUT=dir [PART=check] [CONFIGS="64:4:2 ..."] bash benchmarks/scripts/h200_attention.sh
+#   EXTRA="--spread 0.9"  mixed lengths (request i of B holds ctx * (1 - 0.9 i / (B - 1)) tokens):
+#               how one long request's programs hold up a wave; not yet run
+# Usage: OUT=dir [PART=check] [CONFIGS="64:4:2 ..."] [BATCH=...] [CTX=...] [EXTRA=...] \
+#        bash benchmarks/scripts/h200_attention.sh
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1

@@ -1,10 +1,13 @@
 #!/usr/bin/env python
 """Paged decode attention on one GPU: the Triton backend against SDPA and a copy ceiling.
 
-For each (batch, context, q heads / kv heads) it builds a random paged bf16 cache with
-a shuffled block table, checks the Triton output against the torch reference (on a
-subset of requests for big shapes), and times with CUDA events (warmup, L2 flushed
-before every rep, median, rotating among several query sets):
+For each (batch, context, q heads / kv heads / head dim) it builds a random paged bf16
+cache with a shuffled block table, checks the Triton output against the torch reference
+(on a subset of requests for big shapes), and times with CUDA events (warmup, L2 flushed
+before every rep, median, rotating among several query sets). ``--models`` takes the
+shapes of model presets at each ``--tp``; ``--configs`` lists launch configs to compare
+(``auto`` is the backend's own per-shape choice); ``--spread`` gives the requests mixed
+lengths.
 
 - triton: the ``triton`` backend's decode (split-K) over the paged cache;
 - sdpa: ``scaled_dot_product_attention`` on q ``[B, Hq, 1, d]`` with contiguous K/V
@@ -56,6 +59,9 @@ def parse_args(argv=None):
     p.add_argument("--min-split-tokens", type=int, default=256, help="split heuristic: fewest tokens a split gets")
     p.add_argument("--max-splits", type=int, default=None, help="split heuristic: most splits (default: the backend's)")
     p.add_argument("--max-kv-gib", type=float, default=None, help="skip shapes whose K+V exceed this many GiB")
+    p.add_argument("--spread", type=float, default=0.0,
+                   help="mixed lengths: request i of B holds ctx * (1 - spread * i / (B - 1)) tokens "
+                        "(0: all ctx; SDPA is then not timed, its contiguous K/V would be padded)")
     p.add_argument("--no-flush", action="store_true", help="do not flush L2 between reps")
     p.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph timing of triton")
     p.add_argument("--out", default=None)
@@ -68,6 +74,8 @@ def parse_args(argv=None):
         args.num_splits = 3 if args.num_splits is None else args.num_splits
     if args.out is None and os.environ.get("OUT"):
         args.out = os.path.join(os.environ["OUT"], "bench_attention.json")
+    if not 0.0 <= args.spread < 1.0:
+        p.error(f"--spread {args.spread}: must be in [0, 1)")
     args.shapes = shapes_of(args)
     return args
 
@@ -141,7 +149,9 @@ def run_shape(env, args, batch, ctx, hq, hkv, head_dim):
     dtype = getattr(torch, args.dtype)
     elem = torch.finfo(dtype).bits // 8
     row = dict(B=batch, ctx=ctx, hq=hq, hkv=hkv, head_dim=head_dim, block_size=args.block_size, dtype=args.dtype)
-    row["kv_bytes"] = 2 * batch * ctx * hkv * head_dim * elem
+    lens = context_lengths(batch, ctx, args.spread)
+    row["spread"], row["mean_ctx"] = args.spread, sum(lens) / batch
+    row["kv_bytes"] = 2 * sum(lens) * hkv * head_dim * elem
     if args.max_kv_gib is not None and row["kv_bytes"] > args.max_kv_gib * 2**30:
         row["status"] = f"skipped: K+V {row['kv_bytes'] / 2**30:.1f} GiB > --max-kv-gib {args.max_kv_gib}"
         return row
@@ -152,18 +162,28 @@ def run_shape(env, args, batch, ctx, hq, hkv, head_dim):
             row["status"] = f"skipped: needs {need / 2**30:.1f} GiB, free {free / 2**30:.1f} GiB"
             return row
     case = env["testing"].make_paged_case(
-        [1] * batch, [ctx] * batch, num_heads=hq, num_kv_heads=hkv, head_dim=head_dim,
+        [1] * batch, lens, num_heads=hq, num_kv_heads=hkv, head_dim=head_dim,
         block_size=args.block_size, dtype=dtype, device=device, seed=batch + ctx + hq)
     qs = [case.q] + [torch.randn_like(case.q) for _ in range(args.query_sets - 1)]
     out = check_and_time_triton(env, args, case, qs, row)
-    time_contiguous_kernels(env, case, qs, out, row)
+    if not args.spread:
+        time_contiguous_kernels(env, case, qs, out, row)
     del case, qs, out
     time_copy(env, row)
     for name in ("triton", "sdpa", "copy"):
-        row[f"{name}_TBps"] = row["kv_bytes"] / (row[f"{name}_us"] * 1e-6) / 1e12
+        if f"{name}_us" in row:
+            row[f"{name}_TBps"] = row["kv_bytes"] / (row[f"{name}_us"] * 1e-6) / 1e12
     row["pct_of_copy"] = 100.0 * row["triton_TBps"] / row["copy_TBps"]
     row["status"] = "ok" if row["rel_err"] < 1e-2 else "WRONG"
     return row
+
+
+def context_lengths(batch: int, ctx: int, spread: float):
+    """Each request's context: all ``ctx``, or with ``spread`` evenly from ``ctx`` down to
+    ``ctx * (1 - spread)``."""
+    if batch == 1 or not spread:
+        return [ctx] * batch
+    return [max(1, round(ctx * (1 - spread * i / (batch - 1)))) for i in range(batch)]
 
 
 def check_and_time_triton(env, args, case, qs, row):
@@ -319,7 +339,7 @@ def fmt_table(rows):
         if r.get("status") not in ("ok", "WRONG"):
             lines.append("  ".join(f"{v!s:>11}" for v in head) + f"  {r.get('status')}")
             continue
-        vals = head + [r[c] for c in COLUMNS[3:]] + [r.get(c, "") for c in extra]
+        vals = head + [r.get(c, "-") for c in COLUMNS[3:]] + [r.get(c, "") for c in extra]
         cells = [f"{v:>11.3g}" if isinstance(v, float) else f"{v!s:>11}" for v in vals]
         lines.append("  ".join(cells) + ("" if r["status"] == "ok" else "  WRONG"))
     return "\n".join(lines)

@@ -162,8 +162,10 @@ def run_offline(args, prompts) -> dict:
         try:
             code = proc.wait(args.timeout)
         except subprocess.TimeoutExpired:
-            _kill_group(proc)  # torchrun and its workers: a worker left behind holds the GPU
             raise RuntimeError(f"the offline half did not end within --timeout {args.timeout:.0f} s") from None
+        finally:
+            if proc.poll() is None:  # torchrun and its workers: a worker left behind holds the GPU
+                _kill_group(proc)
         if code:
             raise RuntimeError(f"the offline half exited with {code}")
         return json.loads(out.read_text())
@@ -298,6 +300,9 @@ def main(argv=None) -> int:
         if rank == 0:
             Path(args.out).write_text(json.dumps(result))
         os._exit(0)  # past NCCL teardown (see benchmarks/RESULTS.md)
+    # a SIGTERM (e.g. from `timeout`) unwinds, so each half's clean-up stops its processes:
+    # they run in sessions of their own, out of reach of a signal to this process's group
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     prompts = make_trace(args)
     start = time.perf_counter()
     offline = run_offline(args, prompts)
