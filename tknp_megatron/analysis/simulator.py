@@ -229,7 +229,8 @@ def simulate(mode: Mode, preset: ModelPreset, world: int, tp: int, workload: Wor
     owners = nodes if mode in (Mode.TKNP, Mode.TKNP_DUAL) else 1  # PP and DCP: one budget
     config = engine_config_for(mode, EngineConfig(
         block_size=block_size, kv_tokens_per_node=kv_tokens_per_node,
-        max_requests_per_node=max_requests_per_node, max_prefill_tokens=max_prefill_tokens))
+        max_requests_per_node=max_requests_per_node, max_prefill_tokens=max_prefill_tokens,
+        freeze_gc=False))  # one process builds many simulated pools, on a virtual clock
     pool_world = world // pools
     model = StepModel(mode, preset, pool_world, t, hw, calibration.factor(mode), weight_elem, schedule)
     timelines, resident, capacity, steps, waves = [], 0.0, [], 0, 0
