@@ -35,7 +35,6 @@ from tknp_megatron.executor.ingest import Admitter, KVSlice
 from tknp_megatron.executor.owner_attention import OwnerAttention
 from tknp_megatron.executor.rope import Rope
 from tknp_megatron.executor.step_inputs import pad_plan, prepare_inputs
-from tknp_megatron.host_to_device import to_device
 from tknp_megatron.executor.tknp import draw_tokens
 from tknp_megatron.models.precision import dense_autocast
 from tknp_megatron.sampling import pack_log_probs, token_log_probs, unpack_log_probs
@@ -213,9 +212,8 @@ class PPExecutor:
         buf = None
         if self.stage > 0:
             buf = torch.zeros(padded.num_rows, 1, self.hidden_size, dtype=self.dtype, device=self.device)
-            if hidden is not None:
-                (where,) = to_device((index,), self.device)
-                buf.index_copy_(0, where, hidden)
+            if hidden is not None:  # one owner: the real requests are the padded batch's first rows
+                buf[: hidden.shape[0]].copy_(hidden)
         return inp.shape, (inp, buf), index
 
     def graph_forward(self, inputs) -> torch.Tensor:
