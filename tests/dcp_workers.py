@@ -8,7 +8,7 @@ from typing import Sequence, Tuple
 
 import torch
 
-from tests.tknp_workers import Scenario, params_for, run_scenario
+from tests.tknp_workers import CAPTURED_AHEAD, Scenario, params_for, run_scenario
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,9 @@ def reference_worker(rank, world, cases: Sequence[DCPCase], scenarios: Sequence[
 
 
 def dcp_worker(rank, world, cases: Sequence[DCPCase], scenarios: Sequence[Scenario], seed: int):
-    """Every case of this world size through the DCP engine; also this rank's layer-0 QKV."""
+    """Every case of this world size through the DCP engine; also this rank's layer-0 QKV.
+    Scenarios with ``graphs`` take the bucketed, padded decode path that CUDA graphs
+    replay (eagerly on CPU) and record no logits (graphs replay the tokens-only step)."""
     warnings.simplefilter("ignore")
     import parallel_state as ps
     from tknp_megatron.engine.config import EngineConfig
@@ -73,9 +75,12 @@ def dcp_worker(rank, world, cases: Sequence[DCPCase], scenarios: Sequence[Scenar
             if s.name not in case.scenarios:
                 continue
             config = EngineConfig(block_size=s.block_size, kv_tokens_per_node=s.kv_tokens_per_node,
-                                  record_logits=True)
+                                  record_logits=not s.graphs, cuda_graphs=s.graphs)
             engine = build_engine(Mode.DCP, preset, groups, config, torch.device("cpu"), torch.float32,
                                   weights=seed)
+            if s.graphs:  # the all-padding steps a GPU captures at start-up, run first (eagerly
+                # here): their k/v writes go to the scratch block, so no request's tokens change
+                assert engine.executor.graphs.capture_buckets(CAPTURED_AHEAD) > 0
             qkv = engine.executor.model.layer(0).self_attention.linear_qkv.weight.detach().clone()
             out[(case.name, "qkv")] = qkv
             out[(case.name, "dcp")] = (engine.dcp.degree, engine.dcp.shard, engine.dcp.kv_head)

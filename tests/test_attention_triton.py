@@ -84,6 +84,56 @@ def test_decode_heuristic_splits_long_context():
     _check(case, torch.float32, block_n=64)
 
 
+BALANCED = [
+    # (Hq, Hkv, head_dim, block_size, seq_lens, options): mixed lengths, slices of equal tokens
+    (4, 2, 16, 8, [300, 20, 150, 1], dict(balance=4, min_split_tokens=16, block_n=16)),
+    (8, 1, 32, 16, [700, 1, 64, 65], dict(balance=2, min_split_tokens=32, block_n=16)),  # a one-token request
+    (4, 4, 16, 4, [250, 250, 250], dict(balance=3, min_split_tokens=16, block_n=16)),  # equal lengths
+    (16, 1, 16, 16, [1000] + [17] * 40, dict(balance=4, min_split_tokens=16, block_n=16)),  # one long request
+]
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs,seq_lens,options", BALANCED)
+def test_decode_balanced_splits(hq, hkv, d, bs, seq_lens, options):
+    """Balanced splits give the reference's output, and the launch really is balanced:
+    a grid of ``balance`` times the budget, the longest request using more slices than
+    the uniform split count."""
+    from tknp_megatron.attention import TritonConfig, decode_launch
+    from tknp_megatron.attention.triton_paged import H200_NUM_SMS
+
+    case = make_paged_case([1] * len(seq_lens), seq_lens, num_heads=hq, num_kv_heads=hkv, head_dim=d,
+                           block_size=bs, seed=sum(seq_lens))
+    _check(case, torch.float32, **options)
+    how = decode_launch(len(seq_lens) * hkv, max(seq_lens), d, H200_NUM_SMS, TritonConfig(**options), balanced=True)
+    assert how.budget_splits > 0 and how.partials
+    assert how.num_splits == max(how.budget_splits,
+                                 min(how.budget_splits * options["balance"], -(-max(seq_lens) // how.block_n), 128))
+    split_len = -(-max(-(-sum(seq_lens) // (len(seq_lens) * how.budget_splits)),
+                       -(-max(seq_lens) // how.num_splits)) // how.block_n) * how.block_n
+    if len(set(seq_lens)) > 1:
+        assert -(-max(seq_lens) // split_len) > how.budget_splits  # the long request gets more slices
+
+
+def test_decode_balanced_half_and_uniform_callers():
+    """bf16 through the balanced path; a caller that does not ask for balance (DCP's
+    partial attention, whose merge reads every slice) keeps uniform splits."""
+    from tknp_megatron.attention import TritonConfig, decode_launch
+
+    case = make_paged_case([1] * 3, [90, 7, 40], num_heads=8, num_kv_heads=2, head_dim=16, block_size=8,
+                           dtype=torch.bfloat16, seed=4)
+    _check(case, torch.bfloat16, balance=4, min_split_tokens=16, block_n=16)
+    config = TritonConfig(balance=4, min_split_tokens=16)
+    assert decode_launch(6, 90, 16, 132, config).budget_splits == 0
+    assert decode_launch(6, 90, 16, 132, TritonConfig(balance=4, num_splits=2), balanced=True).budget_splits == 0
+    rowless = make_paged_case([1, 0, 1], [90, 4, 40], num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, seed=2)
+    _check(rowless, torch.float32, balance=4, min_split_tokens=16, block_n=16)  # rows != requests: uniform
+    with pytest.raises(ValueError, match="balance"):
+        TritonConfig(balance=0)
+    # the default per shape: balanced for head dims over 128 (free there with equal lengths), not at 128
+    assert decode_launch(8, 4096, 192, 132, TritonConfig(), balanced=True).budget_splits > 0
+    assert decode_launch(8, 4096, 128, 132, TritonConfig(), balanced=True).budget_splits == 0
+
+
 def test_decode_request_without_rows():
     case = make_paged_case([1, 0, 1], [9, 4, 21], num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, seed=2)
     _check(case, torch.float32, num_splits=2, block_n=16)
@@ -142,17 +192,21 @@ def test_bench_per_model_shapes_and_launch_choice(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, "-m", "tknp_megatron.tools.bench_attention", "--dry-run", "--models", "nemotron4-340b",
-         "--tp", "8", "--configs", "auto", "16:4:2:2", "--num-splits", "2", "--spread", "0.5", "--out", str(out)],
+         "--tp", "8", "--configs", "auto", "16:4:2:2", "16:4:2@4", "--spread", "0.5", "--min-split-tokens", "16",
+         "--num-splits", "0",
+         "--out", str(out)],
         capture_output=True, text=True, timeout=120, cwd=REPO,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [r for r in json.loads(out.read_text())["results"] if r.get("status") == "ok"]
     assert rows and {(r["hq"], r["hkv"], r["head_dim"]) for r in rows} == {(12, 1, 192)}
     for r in rows:
-        auto, fixed = r["configs"]
-        assert auto["auto"] and (auto["block_n"], auto["num_splits"]) == (128, 2)  # few programs: 128-token tiles
+        auto, fixed, balanced = r["configs"]
+        assert auto["auto"] and auto["block_n"] == 128  # few programs: 128-token tiles
+        assert auto["budget_splits"] > 0  # head dim 192: balanced splits by default
         assert not fixed["auto"] and (fixed["block_n"], fixed["waves"]) == (16, 2)
-        assert auto["rel_err"] < 1e-2 and fixed["rel_err"] < 1e-2 and r["launch"] == "128:4:2 s2"
+        assert balanced["balance"] == 4 and 0 < balanced["budget_splits"] <= balanced["num_splits"]
+        assert all(c["rel_err"] < 1e-2 for c in r["configs"]) and r["launch"] == f"128:4:2 s{auto['num_splits']}/{auto['budget_splits']}"
         assert r["mean_ctx"] == 0.75 * r["ctx"] and "sdpa_us" not in r  # 2 requests: ctx and ctx / 2
 
 

@@ -3,9 +3,13 @@
 Greedy tokens must match exactly and logits within 1e-4 for W = 2 with an MQA tiny model
 (D = 2), and W = 4 with Hkv = 2 (D = 2) and Hkv = 1 (D = 4); mixed prompt lengths go
 through the same path (prefill), requests finish mid-batch, and a tight KV budget forces
-admission waves. Unit tests: partial attention over cyclic shards merged with LSE equals
-full attention; the Triton decode path equals the torch partial attention per shard; the
-DCP QKV module holds exactly its rows of Megatron's fused weight.
+admission waves. The greedy waves and the seeded sampling also run on the bucketed, padded
+decode path that CUDA graphs replay (eagerly on CPU, after the all-padding steps a GPU
+captures at start-up): same tokens, and the path is taken. Unit tests: partial attention
+over cyclic shards merged with LSE equals full attention; the Triton decode path equals
+the torch partial attention per shard; padded decode inputs have one shape per bucket and
+write only the rows a shard holds to real KV; the DCP QKV module holds exactly its rows
+of Megatron's fused weight.
 
 TRITON_INTERPRET=1 is set before anything imports ``triton`` (as in
 ``test_attention_triton``), so where ``triton`` is installed the end-to-end runs' decode
@@ -17,6 +21,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import types
 
 os.environ["TRITON_INTERPRET"] = "1"
 
@@ -36,22 +41,35 @@ from tknp_megatron.baselines.dcp_attention import (  # noqa: E402
     partial_attention_triton,
     triton_decode_usable,
 )
+from tknp_megatron.baselines.dcp import DCPGroups  # noqa: E402
+from tknp_megatron.baselines.dcp_inputs import prepare_dcp_decode_inputs, prepare_dcp_inputs  # noqa: E402
+from tknp_megatron.config import get_preset  # noqa: E402
+from tknp_megatron.executor.rope import Rope  # noqa: E402
+from tknp_megatron.executor.step_inputs import pad_plan  # noqa: E402
+from tknp_megatron.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
 from tknp_megatron.launch import spawn  # noqa: E402
+from tknp_megatron.plan import RequestColumns, StepPlan  # noqa: E402
 
 SEED = 5
+GRAPHS = ("waves", "graph-path")
 CASES = [
-    DCPCase(2, "tiny", 1, ("waves", "sampled")),  # MQA, D = 2
-    DCPCase(4, "tiny", 2),  # Hkv = 2, D = 2 (two DCP groups)
-    DCPCase(4, "tiny", 1),  # MQA, D = 4
+    DCPCase(2, "tiny", 1, GRAPHS + ("sampled", "sampled-graph")),  # MQA, D = 2
+    DCPCase(4, "tiny", 2, GRAPHS),  # Hkv = 2, D = 2 (two DCP groups)
+    DCPCase(4, "tiny", 1, GRAPHS + ("sampled-graph",)),  # MQA, D = 4
 ]
 
-
+WAVES = random_prompts(8, 1, 23, 11), (6, 3, 8, 1, 5, 7, 2, 4)
+SAMPLED = random_prompts(4, 2, 12, 12), (4, 6, 3, 5)
+SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.9)
 SCENARIOS = [
     # 8 requests, 140 tokens reserved, 48 in the pool: several waves, mid-batch completions
-    Scenario("waves", "tiny", random_prompts(8, 1, 23, 11), (6, 3, 8, 1, 5, 7, 2, 4),
-             kv_tokens_per_node=48, block_size=4),
-    Scenario("sampled", "tiny", random_prompts(4, 2, 12, 12), (4, 6, 3, 5), kv_tokens_per_node=96,
-             temperature=0.8, top_k=40, top_p=0.9, block_size=8, log_probs=2),
+    Scenario("waves", "tiny", *WAVES, kv_tokens_per_node=48, block_size=4),
+    Scenario("sampled", "tiny", *SAMPLED, kv_tokens_per_node=96, **SAMPLING, block_size=8, log_probs=2),
+    # the same on the bucketed, padded decode path that CUDA graphs replay (eagerly here):
+    # the rows each shard holds change every step, the bucket's shapes do not
+    Scenario("graph-path", "tiny", *WAVES, kv_tokens_per_node=48, block_size=4, graphs=True),
+    Scenario("sampled-graph", "tiny", *SAMPLED, kv_tokens_per_node=96, **SAMPLING, block_size=8,
+             graphs=True),
 ]
 
 
@@ -169,6 +187,54 @@ def test_triton_decode_matches_partial_attention(interpreted_kernels, monkeypatc
     torch.testing.assert_close(merged, expected, atol=1e-4, rtol=1e-4)
 
 
+# ---------------------------------------------------------------- unit: padded decode inputs
+def _decode_plan(start_pos, slots):
+    """A pure-decode plan of one owner: request r at ``start_pos[r]`` in slot ``slots[r]``."""
+    n = len(start_pos)
+    cols = RequestColumns.of(request_ids=range(n), slots=slots, q_lens=[1] * n, start_pos=start_pos,
+                             temperature=[0.0] * n, top_k=[0] * n, top_p=[1.0] * n, seeds=[0] * n,
+                             sample_steps=[0] * n)
+    return StepPlan(step=1, admissions=(), per_request=cols, tokens=torch.arange(n),
+                    requests_per_owner=(n,), rows_per_owner=(n,))
+
+
+@pytest.mark.parametrize("degree", [2, 4])
+def test_padded_decode_inputs_have_bucket_shapes(degree):
+    """Two decode steps of one bucket, whose requests fall on different shards, give every
+    shard inputs of the same shapes (what one captured graph replays); a row the shard
+    holds writes where the eager path writes it, every other row to the scratch block;
+    each real request's local length is the eager path's, a padding request's is 1 on
+    shard 0 and 0 elsewhere (a finite merge)."""
+    cpu, block = torch.device("cpu"), 2  # local tokens per block
+    spec = KVCacheSpec(num_layers=1, num_blocks=32, block_size=block, local_kv_heads=1, head_dim=8,
+                       dtype=torch.float32, max_slots=8, max_blocks_per_seq=4)
+    kv = PagedKVCache(spec, cpu)
+    for slot in range(8):
+        kv.assign(slot, [4 * slot + 3, 4 * slot + 1, 4 * slot + 2, 4 * slot])
+    rope = Rope(get_preset("tiny"), types.SimpleNamespace(rotary_interleaved=False), cpu)
+    bound = spec.max_blocks_per_seq * block  # longest shard-local length
+    plans = [_decode_plan([4, 7, 2], [5, 0, 3]), _decode_plan([5, 1, 6, 3 * degree + 1], [1, 2, 6, 7])]
+    for j in range(degree):
+        dcp_j = DCPGroups(degree, j, 0, None)
+        seen = []
+        for plan in plans:
+            padded, index = pad_plan(plan, kv.dummy_slot)
+            inp = prepare_dcp_decode_inputs(padded, dcp_j, kv, rope, cpu, bound)
+            eager = prepare_dcp_inputs(plan, dcp_j, kv, rope, cpu)
+            seen.append((inp.shape, [(t.shape, t.dtype) for t in inp.tensors()]))
+            assert inp.own_rows is None and inp.decode and inp.attn.max_local_len == bound
+            mine = index[(plan.per_request.start_pos % degree == j).nonzero().flatten()]
+            assert torch.equal(inp.write_slots[mine], eager.write_slots)
+            elsewhere = torch.ones(padded.num_rows, dtype=torch.bool)
+            elsewhere[mine] = False
+            assert (inp.write_slots[elsewhere] // block == spec.num_blocks).all()  # the scratch block
+            assert torch.equal(inp.attn.local_lens[index], eager.attn.local_lens)
+            pads = torch.ones(padded.num_rows, dtype=torch.bool)
+            pads[index] = False
+            assert (inp.attn.local_lens[pads] == int(j == 0)).all()  # plan 0 has one padding request
+        assert seen[0] == seen[1]
+
+
 # ---------------------------------------------------------------- end to end
 @pytest.fixture(scope="module")
 def dcp_reference():
@@ -193,7 +259,16 @@ CASE_SCENARIOS = [(c, s) for c in CASES for s in SCENARIOS if s.name in c.scenar
 def test_matches_reference(dcp, dcp_reference, case, scenario):
     run = dcp[(case.name, scenario.name)][0]  # the coordinator's results
     gens, _ = dcp_reference[(case.base, case.kv_heads)]
-    assert_matches_reference(run["results"], gens[scenario.name])
+    assert_matches_reference(run["results"], gens[scenario.name], logits=not scenario.graphs)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_graph_path_is_taken(dcp, case):
+    """The graph scenario's decode steps ran through DecodeGraphs, between the eager
+    prefill steps of its admission waves; the eager scenario's did not."""
+    run = dcp[(case.name, "graph-path")][0]
+    assert run["graph_steps"] > 0 and run["waves"] >= 2
+    assert dcp[(case.name, "waves")][0]["graph_steps"] == 0
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

@@ -60,7 +60,7 @@ def test_engine_config_per_mode():
     assert engine_config_for(Mode.TKNP_DUAL, base).microbatches == 2
     assert engine_config_for(Mode.TKNP, base) is base
     assert engine_config_for("pp", base) is base  # PP replays each stage's share from graphs
-    assert not engine_config_for(Mode.DCP, base).cuda_graphs
+    assert engine_config_for(Mode.DCP, base) is base  # DCP replays padded decode steps from graphs
     with pytest.raises(ValueError, match="tknp-dual"):
         engine_config_for(Mode.TKNP, EngineConfig(microbatches=2))
 

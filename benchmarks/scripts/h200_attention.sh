@@ -6,8 +6,9 @@
 #               first is the backend's choice, so "best_config" says where another one wins
 #   PART=check  times the backend's own choice only (the figures in benchmarks/RESULTS.md)
 #   EXTRA="--spread 0.9"  mixed lengths (request i of B holds ctx * (1 - 0.9 i / (B - 1)) tokens):
-#               how one long request's programs hold up a wave; not yet run
-# Usage: OUT=dir [PART=check] [CONFIGS="64:4:2 ..."] [BATCH=...] [CTX=...] [EXTRA=...] \
+#               how one long request's programs hold up a wave, e.g. with CONFIGS="auto auto@2 auto@4"
+#               (uniform slices per request against slices of equal tokens on 2x / 4x the grid)
+# Usage: OUT=dir [PART=check] [CONFIGS="64:4:2 ..."] [BATCH=...] [CTX=...] [TP="1 2 8"] [EXTRA=...] \
 #        bash benchmarks/scripts/h200_attention.sh
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -22,7 +23,7 @@ else
 fi
 for group in "llama3.1-70b llama3.1-405b" "nemotron4-340b"; do
   tag=$(echo "$group" | cut -d' ' -f1)
-  timeout -k 5 ${PART_TIMEOUT:-280} python -m tknp_megatron.tools.bench_attention --models $group --tp 1 2 8 \
+  timeout -k 5 ${PART_TIMEOUT:-280} python -m tknp_megatron.tools.bench_attention --models $group --tp ${TP:-1 2 8} \
     --batch $BATCH --ctx $CTX --configs $CONFIGS --reps 20 --max-kv-gib 24 ${EXTRA:-} \
     --out "$OUT/attention_${PART}_$tag.json" > "$OUT/attention_${PART}_$tag.txt" 2>&1
   echo "$group: exit $?"

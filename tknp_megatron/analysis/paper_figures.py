@@ -32,7 +32,8 @@ from tknp_megatron.config import ModelPreset, get_preset
 from tknp_megatron.mode import Mode
 from tknp_megatron.placement import model_bytes
 
-__all__ = ["DUAL_PAPER", "FIGURES", "HEADLINES", "Grid", "Headline", "dual_table", "mode_table", "predict"]
+__all__ = ["DUAL_PAPER", "FIGURES", "HEADLINES", "Grid", "Headline", "dual_table", "mode_table", "paper_setup",
+           "predict"]
 
 OUTPUT_LEN = 1024
 MODES = (Mode.TKNP, Mode.DP, Mode.TP, Mode.PP, Mode.DCP)
@@ -83,7 +84,7 @@ HEADLINES = (
 )
 
 
-def _setup(name: str) -> Tuple[ModelPreset, NodeBudget, float]:
+def paper_setup(name: str) -> Tuple[ModelPreset, NodeBudget, float]:
     """``(preset, node budget, bytes per linear weight)`` of a paper model on TP8 hosts."""
     preset = get_preset(name).replace(max_sequence_length=131072)  # Nemotron: linear RoPE scaling
     linear = preset.layer_linear_params()
@@ -120,7 +121,7 @@ class Grid:
         mode = Mode.TKNP_DUAL if schedule else Mode(mode)
         key = (model, mode, schedule, nodes, context, batch)
         if key not in self._runs:
-            preset, budget, elem = _setup(model)
+            preset, budget, elem = paper_setup(model)
             trace = wl.fixed_length(batch, context, OUTPUT_LEN, seed=0)
             kv = kv_tokens_per_owner(mode, preset, nodes, budget)
             run = simulate(mode, preset, 8 * nodes, 8, trace, kv, hw=H100, calibration=Calibration(),
@@ -167,7 +168,7 @@ def dual_table(nodes: Sequence[int] = (2, 4, 8), contexts: Sequence[int] = (3276
     each copy count's KV tokens per node and tok/s, and dual over single copy on this
     repository's dual-root schedule and on the paper's."""
     grid = grid or Grid()
-    preset, budget, _ = _setup("llama3.1-405b")
+    preset, budget, _ = paper_setup("llama3.1-405b")
     rows = []
     for n in nodes:
         for ctx in contexts:

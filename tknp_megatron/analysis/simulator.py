@@ -15,6 +15,14 @@ route them) and merges their timelines. ``tknp-dual`` runs the engine's two micr
 (each request's microbatch chosen by the engine) on the roofline's model of this
 repository's dual-root schedule, or with ``schedule="tknp-dual-paper"`` on the paper's.
 
+``token_scale`` replays a trace coarse-grained (each simulated token stands for that many:
+prompts, outputs, KV capacity and block size divided by it, each step's context and KV
+write multiplied back, each simulated step that many decode steps). Waves and step times
+stay those of the full trace up to rounding of a request's reservation to whole simulated
+tokens; a trace of long prompts then replays in a fraction of the time (the dual-copy
+decision, :mod:`tknp_megatron.analysis.dual_choice`). Arrivals keep their times, so a
+Poisson trace is admitted at a coarser step grain.
+
 Known skew: the engine books step n after queuing step n + 1, and the executor advances
 the clock when a step is queued, so each token's timestamp is one step late (completion
 times by one step in a request's whole run).
@@ -22,6 +30,8 @@ times by one step in a request's whole run).
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
@@ -107,6 +117,7 @@ class StepModel:
         weight_elem: bytes per linear weight (1: FP8-stored).
         schedule: the roofline's name for the step, if not the mode's (``tknp-dual-paper``:
             dual active roots as the paper describes them).
+        token_scale: real tokens per simulated token (see the module docstring).
     """
 
     mode: Mode
@@ -117,22 +128,23 @@ class StepModel:
     factor: float = 1.0
     weight_elem: float = 2.0
     schedule: Optional[str] = None
+    token_scale: int = 1
 
     def seconds(self, plan: StepPlan) -> float:
         """``plan``'s time on its pool."""
-        rows = plan.num_requests
+        rows, scale = plan.num_requests, self.token_scale
         per_node = plan.cached_tokens_per_owner()
         num_nodes = len(per_node)
         ingest = [0] * num_nodes
         for adm in plan.admissions:
             ingest[adm.owner] += adm.ingest_len
-        write = max(ingest) * kv_bytes_per_token(self.preset) / self.tp  # a node's GPUs split it
+        write = max(ingest) * scale * kv_bytes_per_token(self.preset) / self.tp  # a node's GPUs split it
         if not rows:
             return write / self.hw.kv_bw
-        context = max(per_node) * num_nodes / rows  # the busiest owner bounds attention
+        context = max(per_node) * scale * num_nodes / rows  # the busiest owner bounds attention
         step = predicted_step_s(self.schedule or self.mode.value, self.preset, self.world, self.tp, rows,
                                 context, self.hw, self.weight_elem)
-        return self.factor * step + write / self.hw.kv_bw
+        return scale * self.factor * step + write / self.hw.kv_bw
 
 
 class _TimedExecutor:
@@ -199,6 +211,8 @@ class SimRun:
         resident_batch_mean: requests resident per step, summed over replicas.
         kv_capacity_tokens: per replica, per owning node.
         steps: booked steps (the most of any replica).
+        token_scale: real tokens per simulated token: ``metrics`` counts simulated tokens
+            (its throughput times this is tok/s); capacities are in real tokens.
     """
 
     mode: Mode
@@ -206,6 +220,12 @@ class SimRun:
     resident_batch_mean: float
     kv_capacity_tokens: tuple
     steps: int
+    token_scale: int = 1
+
+    @property
+    def completion_throughput_tok_s(self) -> float:
+        """Completed requests' output tokens per second, in real tokens."""
+        return self.metrics.completion_throughput_tok_s * self.token_scale
 
 
 def _arrivals(workload: Workload, pool: int, pools: int) -> List[Arrival]:
@@ -215,16 +235,31 @@ def _arrivals(workload: Workload, pool: int, pools: int) -> List[Arrival]:
             for r in workload.requests if r.request_id % pools == pool]
 
 
+def _coarse(workload: Workload, scale: int) -> Workload:
+    """``workload`` with every length in simulated tokens of ``scale`` real ones (rounded up)."""
+    if scale == 1:
+        return workload
+    return dataclasses.replace(workload, requests=tuple(
+        dataclasses.replace(r, prompt_len=math.ceil(r.prompt_len / scale),
+                            output_len=math.ceil(r.output_len / scale))
+        for r in workload.requests))
+
+
 def simulate(mode: Mode, preset: ModelPreset, world: int, tp: int, workload: Workload,
              kv_tokens_per_node: int, *, block_size: int = 16, max_requests_per_node: int = 256,
              hw: Hardware = H200, calibration: Calibration = H200_CALIBRATION,
              max_prefill_tokens: int = 1 << 30, weight_elem: float = 2.0,
-             schedule: Optional[str] = None) -> SimRun:
+             schedule: Optional[str] = None, token_scale: int = 1) -> SimRun:
     """Replay ``workload`` on ``mode`` over ``world`` GPUs (``tp`` per node) whose every
     owning node holds ``kv_tokens_per_node`` KV tokens; see the module docstring."""
     mode = Mode(mode)
     if mode not in SIMULATED:
         raise ValueError(f"--mode {mode.value}: the simulator runs {[m.value for m in SIMULATED]}")
+    if token_scale < 1:
+        raise ValueError(f"token_scale must be >= 1, got {token_scale}")
+    workload = _coarse(workload, token_scale)
+    kv_tokens_per_node //= token_scale
+    block_size = max(1, block_size // token_scale)
     pools, nodes, t = mode.pool_shape(world, tp)
     owners = nodes if mode in (Mode.TKNP, Mode.TKNP_DUAL) else 1  # PP and DCP: one budget
     config = engine_config_for(mode, EngineConfig(
@@ -232,7 +267,8 @@ def simulate(mode: Mode, preset: ModelPreset, world: int, tp: int, workload: Wor
         max_requests_per_node=max_requests_per_node, max_prefill_tokens=max_prefill_tokens,
         freeze_gc=False))  # one process builds many simulated pools, on a virtual clock
     pool_world = world // pools
-    model = StepModel(mode, preset, pool_world, t, hw, calibration.factor(mode), weight_elem, schedule)
+    model = StepModel(mode, preset, pool_world, t, hw, calibration.factor(mode), weight_elem, schedule,
+                      token_scale)
     timelines, resident, capacity, steps, waves = [], 0.0, [], 0, 0
     for pool in range(pools):
         clock = SimClock()
@@ -241,10 +277,10 @@ def simulate(mode: Mode, preset: ModelPreset, world: int, tp: int, workload: Wor
         engine.run_until_done()
         timelines += [r.timeline for r in engine.requests.values()]
         resident += engine.mean_resident
-        capacity.append(tuple(engine.kv_capacity_tokens))
+        capacity.append(tuple(c * token_scale for c in engine.kv_capacity_tokens))
         steps = max(steps, engine.resident_steps)
         waves = max(waves, engine.scheduler.waves)
-    return SimRun(mode, summarize(timelines, waves), resident, tuple(capacity), steps)
+    return SimRun(mode, summarize(timelines, waves), resident, tuple(capacity), steps, token_scale)
 
 
 

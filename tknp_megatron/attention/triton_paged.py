@@ -7,8 +7,11 @@ of splits fills the GPU with one resident wave: at most ``waves * num_SMs`` prog
 total, at least ``min_split_tokens`` context tokens per split, at most ``max_splits``.
 With more than one split a second small kernel merges the fp32 partials by their
 log-sum-exp. The tile and pipeline depth are chosen per shape (:func:`decode_launch`,
-from the sweeps in ``docs/ARCHITECTURE.md``). Grid sizes come from host ints only (``R``,
-``max_seq_len``), so there is no device sync.
+from the sweeps in ``docs/ARCHITECTURE.md``). With ``TritonConfig.balance > 1`` the
+slices are cut by tokens, the same length for every request (sized on the device from
+``seq_lens``), over a grid of ``balance`` times the splits, so a long request gets more
+slices than a short one (the default for head dims over 128). Grid sizes come from host ints only (``R``, ``max_seq_len``),
+so there is no device sync.
 
 Prefill or mixed batches (``max_query_len > 1``) run the same kernel over query tiles
 (``BLOCK_Q`` rows x the head group); a tile -> request map is built on the device with
@@ -70,6 +73,12 @@ class TritonConfig:
         max_splits: upper bound of the heuristic.
         min_split_tokens: fewest context tokens the heuristic gives a split.
         waves: programs per SM the heuristic fills the GPU with (one resident wave).
+        balance: decode with mixed lengths: ``> 1`` cuts every request's context into
+            slices of the same number of tokens (the step's tokens over the split budget),
+            on a grid of ``balance`` times the heuristic's splits per request, so the
+            longest request may take that many times its share; 1 cuts each request's own
+            context into the heuristic's number of equal slices; ``None``: per shape, 2
+            for head dims over 128 and 1 otherwise (:func:`decode_launch`).
         prefill: ``"triton"`` (varlen kernel) or ``"sdpa"`` for ``max_query_len > 1``.
     """
 
@@ -80,6 +89,7 @@ class TritonConfig:
     max_splits: int = 64
     min_split_tokens: int = 256
     waves: int = 4
+    balance: Optional[int] = None
     prefill: str = "triton"
 
     def __post_init__(self) -> None:
@@ -90,8 +100,8 @@ class TritonConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
-        if self.max_splits < 1 or self.min_split_tokens < 1 or self.waves < 1:
-            raise ValueError("max_splits, min_split_tokens and waves must be >= 1")
+        if self.max_splits < 1 or self.min_split_tokens < 1 or self.waves < 1 or (self.balance is not None and self.balance < 1):
+            raise ValueError("max_splits, min_split_tokens, waves and balance must be >= 1")
         if self.prefill not in ("triton", "sdpa"):
             raise ValueError(f"prefill must be 'triton' or 'sdpa', got {self.prefill!r}")
 
@@ -116,15 +126,29 @@ def choose_num_splits(programs: int, max_kv_len: int, num_sms: int, config: Trit
 
 @dataclass(frozen=True)
 class DecodeLaunch:
-    """Launch parameters of one decode call of the kernel."""
+    """Launch parameters of one decode call of the kernel.
+
+    Attributes:
+        num_splits: KV slices per request in the grid.
+        block_n, num_warps, num_stages: the tile and pipeline depth.
+        budget_splits: 0, or (balanced splits) the slices per request the step's tokens
+            are spread over on average; ``num_splits`` is then the most one request gets.
+    """
 
     num_splits: int
     block_n: int
     num_warps: int
     num_stages: int
+    budget_splits: int = 0
+
+    @property
+    def partials(self) -> bool:
+        """Whether the launch writes fp32 partials that a merge combines."""
+        return self.num_splits > 1 or self.budget_splits > 0
 
 
-def decode_launch(programs: int, max_kv_len: int, head_dim: int, num_sms: int, config: TritonConfig) -> DecodeLaunch:
+def decode_launch(programs: int, max_kv_len: int, head_dim: int, num_sms: int, config: TritonConfig,
+                  balanced: bool = False) -> DecodeLaunch:
     """The splits (:func:`choose_num_splits`) and the tile of a decode launch, per shape.
 
     Fields set in ``config`` win; the others follow the H200 sweeps of
@@ -138,11 +162,22 @@ def decode_launch(programs: int, max_kv_len: int, head_dim: int, num_sms: int, c
       pipeline stage, which hides more of each program's memory latency;
     - otherwise 64-token tiles, 4 warps, 2 stages.
 
+    With ``balanced`` (callers whose merge reads only the slices each row has), a balance
+    over 1 and more than one split, the grid holds ``balance`` times the splits, at most
+    one slice per tile of the longest context and at most 128. The default balance is 2
+    for head dims over 128 and 1 (off) otherwise. On an H200 (RESULTS, "Mixed lengths"),
+    with lengths spread 10x, balance 2 took 0.74-0.78x the time of equal slices per
+    request at B x context >= 1M; with equal lengths it cost nothing at head dim 192
+    but 4 % at head dim 128 (the grid's idle half), plus about 3 us per call at small
+    shapes. With one split the batch alone fills the GPU and the hardware hands a
+    finished program's place to the next one: balancing there cost 1-30 %.
+
     Args:
         programs: programs without splitting (requests x kv heads).
         max_kv_len: longest context the launch covers (host int).
         head_dim: the heads' dimension.
         num_sms: streaming multiprocessors of the GPU.
+        balanced: whether the caller runs balanced splits.
     """
     splits = choose_num_splits(programs, max_kv_len, num_sms, config)
     if programs * splits < num_sms:
@@ -155,6 +190,11 @@ def decode_launch(programs: int, max_kv_len: int, head_dim: int, num_sms: int, c
         tile = (64, 4, 2)
     block_n, warps, stages = (given if given is not None else chosen for given, chosen in
                               zip((config.block_n, config.num_warps, config.num_stages), tile))
+    balance = config.balance if config.balance is not None else (2 if head_dim > 128 else 1)
+    if balanced and balance > 1 and config.num_splits is None and splits > 1:
+        grid = max(splits, min(splits * balance, -(-max_kv_len // block_n), 128))
+        if grid > 1:
+            return DecodeLaunch(grid, block_n, warps, stages, budget_splits=splits)
     return DecodeLaunch(splits, block_n, warps, stages)
 
 
@@ -243,11 +283,13 @@ class TritonPagedBackend(AttentionBackend):
         return self.varlen(q, k_cache, v_cache, meta, scale)
 
     def decode(self, q, k_cache, v_cache, meta, scale) -> torch.Tensor:
-        """One query row per request: grid ``(R, Hkv, splits)``, group padded to 16 rows."""
+        """At most one query row per request: grid ``(R, Hkv, splits)``, group padded to 16
+        rows; balanced splits (``config.balance``) when there are several requests and
+        every one has its row."""
         num_req, num_kv_heads = meta.num_requests, k_cache.shape[2]
         group_pad = decode_group_pad(q.shape[1], num_kv_heads)
         launch = decode_launch(num_req * num_kv_heads, meta.max_seq_len, q.shape[2], device_num_sms(q.device),
-                               self.config)
+                               self.config, balanced=1 < num_req == q.shape[0])  # the merge maps row i to request i
         return self._run(q, k_cache, v_cache, meta, scale, num_req, 1, group_pad, None, launch)
 
     def varlen(self, q, k_cache, v_cache, meta, scale) -> torch.Tensor:
@@ -265,22 +307,25 @@ class TritonPagedBackend(AttentionBackend):
     def _run(self, q, k_cache, v_cache, meta, scale, num_tiles, block_q, group_pad, tiles, how: DecodeLaunch):
         kernels = load_kernels()
         splits = how.num_splits
+        split_tiles = None
+        if how.budget_splits:  # per call, not per step: a value kept across calls would go stale
+            split_tiles = kernels.launch_split_len(meta.seq_lens, how.budget_splits, splits, how.block_n)  # in a graph
         out = torch.empty_like(q)
         launch = functools.partial(
             kernels.launch_paged_attention, q, k_cache, v_cache, meta=meta, scale=scale,
             num_tiles=num_tiles, num_splits=splits, block_q=block_q, group_pad=group_pad,
             block_n=how.block_n, num_warps=how.num_warps, num_stages=how.num_stages,
             tile_req=tiles[0] if tiles else None, tile_first=tiles[1] if tiles else None,
-            upcast=interpreter_upcast(q.dtype),
+            upcast=interpreter_upcast(q.dtype), split_tiles=split_tiles,
         )
-        if splits == 1:
+        if not how.partials:
             launch(out=out, lse=None)
             return out
         rows, num_heads, head_dim = q.shape
         part = torch.empty((rows, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
         lse = torch.empty((rows, num_heads, splits), dtype=torch.float32, device=q.device)
         launch(out=part, lse=lse)
-        kernels.launch_combine_splits(part, lse, out, splits)
+        kernels.launch_combine_splits(part, lse, out, splits, meta.seq_lens, split_tiles, how.block_n)
         return out
 
 

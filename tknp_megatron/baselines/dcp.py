@@ -19,11 +19,16 @@ only their sequence shard: position ``p`` lives on shard ``p % D`` at local posi
 Blocks: the scheduler's block of ``B`` tokens is one local block of ``B / D`` tokens on
 each shard (token p -> local block ``(p // D) // (B / D) = p // B``), so the same block
 table row serves every rank and capacity is counted in whole-sequence tokens.
+
+With CUDA graphs, pure-decode steps replay from a graph per batch bucket
+(:mod:`~tknp_megatron.executor.cuda_graphs`, captured when the engine is built), on inputs
+of fixed shapes per bucket (:func:`~.dcp_inputs.prepare_dcp_decode_inputs`: every row
+writes, those this shard does not hold to the scratch block); steps 1-6 above, the
+collectives included, are the captured body.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -34,13 +39,12 @@ import torch.distributed as dist
 
 from parallel_state import TokenParallelGroups
 from tknp_megatron.baselines.dcp_attention import (
-    ShardMetadata,
-    decode_metadata,
     merge_partials,
     partial_attention,
     partial_attention_triton,
     triton_decode_usable,
 )
+from tknp_megatron.baselines.dcp_inputs import DCPStepInputs, prepare_dcp_decode_inputs, prepare_dcp_inputs
 from tknp_megatron.baselines.dcp_qkv import dcp_degree
 from tknp_megatron.engine.base import BuiltExecutor
 from tknp_megatron.engine.engine import LockstepEngine
@@ -49,13 +53,12 @@ from tknp_megatron.executor.base import StepOutput
 from tknp_megatron.executor.dense import finish_layer, qkv_projection, vocab_logits
 from tknp_megatron.executor.ingest import Admitter, KVSlice
 from tknp_megatron.executor.rope import Rope
-from tknp_megatron.executor.step_inputs import StepShape, plan_sampling, row_layout, step_tokens
+from tknp_megatron.executor.step_inputs import pad_plan
 from tknp_megatron.executor.tknp import draw_tokens
-from tknp_megatron.host_to_device import to_device
 from tknp_megatron.kv_cache import KVCacheSpec, PagedKVCache
 from tknp_megatron.placement import balanced_placement
 from tknp_megatron.plan import Admission, StepPlan
-from tknp_megatron.sampling import SamplingTensors, token_log_probs
+from tknp_megatron.sampling import token_log_probs
 
 __all__ = [
     "DCPGroups", "DCPStepInputs", "DCPExecutor", "DCPInferenceEngine",
@@ -115,64 +118,6 @@ def dcp_kv_cache_spec(preset, model_config, dcp: DCPGroups, engine_config, devic
     return probe.with_blocks(blocks)
 
 
-@dataclass(frozen=True, eq=False)
-class DCPStepInputs:
-    """One rank's inputs for a DCP step (on its device).
-
-    Attributes:
-        shape: batch layout and sampling mode (one node owns every row).
-        tokens: ``[rows]`` input ids.
-        freqs: ``[rows, 1, 1, rot_dim]`` RoPE angles of every row.
-        own_rows: ``[n]`` rows whose position falls in this shard.
-        write_slots: ``[n]`` flat cache slots of those rows' k/v.
-        attn: partial-attention metadata of the local shard.
-        last_rows: ``[R]`` sampled row of each request; sampling: its ``[R]`` sampling tensors.
-        decode: host bool, every request has exactly one query row (row r is request r's
-            newest token), so the Triton decode path may serve the step.
-    """
-
-    shape: StepShape
-    tokens: torch.Tensor
-    freqs: torch.Tensor
-    own_rows: torch.Tensor
-    write_slots: torch.Tensor
-    attn: ShardMetadata
-    last_rows: torch.Tensor
-    sampling: SamplingTensors
-    decode: bool = False
-
-
-def prepare_dcp_inputs(plan: StepPlan, dcp: DCPGroups, kv: PagedKVCache, rope: Rope, device,
-                       last_tokens=None) -> DCPStepInputs:
-    """Host arithmetic from the plan (positions, shard membership), then one non-blocking
-    copy per dtype to the device; a decode step's kernel metadata is built here, once."""
-    d, j = dcp.degree, dcp.shard
-    n_req, rows = plan.num_requests, plan.num_rows
-    cols = plan.per_request
-    cu, row_req, positions = row_layout(cols.q_lens, cols.start_pos, rows)
-    own = torch.nonzero(positions % d == j).flatten()
-    seq_lens = cols.start_pos + cols.q_lens
-    local_lens = torch.clamp(seq_lens - j + d - 1, min=0) // d
-    max_local = int(local_lens.max()) if n_req else 0
-    decode = n_req > 0 and rows == n_req and plan.max_query_len == 1
-    slots, own_req, own_pos, row_req, positions, local_lens, own, last_rows = to_device(
-        (cols.slots, row_req[own], positions[own] // d, row_req, positions, local_lens, own, cu[1:] - 1),
-        device,
-    )
-    attn = ShardMetadata(
-        row_request=row_req, positions=positions, local_lens=local_lens,
-        block_table=kv.block_table[slots], max_local_len=max_local, shard=j, degree=d,
-    )
-    if decode:
-        attn = dataclasses.replace(attn, kernel=decode_metadata(attn))
-    shape = StepShape((rows,), (n_req,), bool((cols.temperature == 0).all()))
-    return DCPStepInputs(
-        shape=shape, tokens=step_tokens(plan, device, last_tokens), freqs=rope.freqs(positions),
-        own_rows=own, write_slots=kv.slot_mapping(slots[own_req], own_pos), attn=attn,
-        last_rows=last_rows, sampling=plan_sampling(plan, device), decode=decode,
-    )
-
-
 class DCPExecutor:
     """Runs step plans for one DCP rank (an :class:`~tknp_megatron.executor.base.Executor`).
 
@@ -203,21 +148,57 @@ class DCPExecutor:
                            shard=dcp.shard, num_shards=dcp.degree)
         self.admitter = Admitter(kv, kv_slice, device)  # every rank writes every block-table row
         self.last_tokens = None  # [R] previous step's tokens (device)
+        self.graphs = None  # set by enable_cuda_graphs
+        self.plan_owners = 1  # a plan's owners: one node holds every request
 
     def enable_cuda_graphs(self, max_requests_per_owner: int = 0) -> None:
-        raise ValueError("the DCP baseline runs eagerly: set EngineConfig.cuda_graphs=False")
+        """Replay pure-decode steps from CUDA graphs, one per batch bucket (inputs padded
+        by :func:`~tknp_megatron.baselines.dcp_inputs.prepare_dcp_decode_inputs`); with
+        ``max_requests_per_owner``, on a GPU, capture every bucket up to it now (every
+        rank of the pool together: the graphs hold the DCP and TP collectives).
+
+        Off GPU the bucketed, padded decode path runs eagerly (what the graphs replay)."""
+        from tknp_megatron.executor.cuda_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self, capture=self.device.type == "cuda")
+        if max_requests_per_owner and self.graphs.capture:
+            self.graphs.capture_buckets(max_requests_per_owner)
 
     @torch.no_grad()
     def execute(self, plan: StepPlan, timer=None) -> StepOutput:
         """Run ``plan``; every rank returns the same :class:`StepOutput`."""
         self.apply_admissions(plan.admissions)
-        inp = prepare_dcp_inputs(plan, self.dcp, self.kv, self.rope, self.device, self.last_tokens)
+        use_graph = (self.graphs is not None and timer is None and plan.max_query_len == 1
+                     and not plan.record_logits and plan.log_probs_top_n < 0)  # graphs replay the tokens-only step
+        if use_graph:
+            out = StepOutput(self.graphs.run(plan, self.last_tokens))
+        else:
+            inp = prepare_dcp_inputs(plan, self.dcp, self.kv, self.rope, self.device, self.last_tokens)
+            out = self._forward(inp, plan.record_logits, plan.log_probs_top_n)
+        self.last_tokens = out.tokens  # rows of the next plan may be fed from them
+        return out
+
+    def _forward(self, inp: DCPStepInputs, record_logits: bool = False, top_n: int = -1) -> StepOutput:
+        """Embedding, the layer loop and sampling over prepared inputs (no host work)."""
         hidden = self.model.embedding(inp.tokens.unsqueeze(0), position_ids=None)  # [rows, 1, D]
         for layer in range(self.num_layers):
             hidden = self._layer(layer, hidden, inp)
-        out = self._sample(hidden, inp, plan.record_logits, plan.log_probs_top_n)
-        self.last_tokens = out.tokens  # rows of the next plan may be fed from them
-        return out
+        return self._sample(hidden, inp, record_logits, top_n)
+
+    # ---------------------------------------------------------------- graphs
+    def graph_inputs(self, plan: StepPlan, last_tokens, max_seq_len: int):
+        """For :class:`~tknp_megatron.executor.cuda_graphs.DecodeGraphs`: ``(layout key,
+        fixed-shape inputs of the padded plan, [R] index of each real request in the padded
+        batch)``. ``max_seq_len`` is the cache's longest sequence in its own blocks' tokens:
+        for a shard's cache (blocks of ``B / D`` tokens) the longest shard-local length."""
+        padded, index = pad_plan(plan, self.kv.dummy_slot)
+        inp = prepare_dcp_decode_inputs(padded, self.dcp, self.kv, self.rope, self.device,
+                                        max_seq_len, last_tokens)
+        return inp.shape, inp, index
+
+    def graph_forward(self, inputs: DCPStepInputs):
+        """The captured body: ``[R_padded]`` tokens."""
+        return self._forward(inputs).tokens
 
     def apply_admissions(self, admissions: Sequence[Admission]) -> None:
         """Every rank writes the same block-table row; ingested KV: synthetic only."""
@@ -231,8 +212,10 @@ class DCPExecutor:
         q = self.rope.apply(qkv[:, :h], inp.freqs)
         k = self.rope.apply(qkv[:, h : h + 1], inp.freqs)
         v = qkv[:, h + 1 : h + 2]
-        own = inp.own_rows
-        self.kv.write(layer, k.index_select(0, own), v.index_select(0, own), inp.write_slots)
+        own = inp.own_rows  # None: every row writes (those held elsewhere to the scratch block)
+        if own is not None:
+            k, v = k.index_select(0, own), v.index_select(0, own)
+        self.kv.write(layer, k, v, inp.write_slots)
         k_cache, v_cache = self.kv.layer(layer)
         attend = partial_attention_triton if inp.decode and self.fused_decode else partial_attention
         out, lse = attend(self._gather_queries(q), k_cache, v_cache, inp.attn, self.scale)

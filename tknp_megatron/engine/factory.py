@@ -102,16 +102,15 @@ def load_weights(model: torch.nn.Module, preset: ModelPreset, weights: Weights) 
 
 
 def engine_config_for(mode: Mode, config: EngineConfig) -> EngineConfig:
-    """``config`` as ``mode`` runs it: two microbatches for ``tknp-dual``; DCP runs
-    eagerly (no CUDA graphs)."""
+    """``config`` as ``mode`` runs it: two microbatches for ``tknp-dual``, one for every
+    other mode (ValueError otherwise). ``cuda_graphs`` is kept as given: every mode,
+    DCP and PP included, replays its pure-decode steps from graphs per batch bucket."""
     mode = Mode(mode)
     if mode is Mode.TKNP_DUAL:
         return dataclasses.replace(config, microbatches=2)
     if config.microbatches != 1:
         raise ValueError(f"microbatches={config.microbatches} is mode {Mode.TKNP_DUAL.value!r}, "
                          f"not {mode.value!r}")
-    if mode is Mode.DCP and config.cuda_graphs:
-        return dataclasses.replace(config, cuda_graphs=False)
     return config
 
 

@@ -23,7 +23,7 @@ from typing import Dict, Optional
 
 import torch
 
-from tknp_megatron.executor.step_inputs import StepInputs, bucket, pad_plan
+from tknp_megatron.executor.step_inputs import bucket, pad_plan
 from tknp_megatron.host_to_device import to_device
 from tknp_megatron.models.precision import dense_autocast
 from tknp_megatron.plan import StepPlan
@@ -34,7 +34,7 @@ __all__ = ["DecodeGraphs"]
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
-    inputs: object  # the executor's static inputs (StepInputs, or one per microbatch)
+    inputs: object  # the executor's static inputs (StepInputs, DCPStepInputs, or a tuple of them)
     tokens: torch.Tensor
 
 
@@ -130,8 +130,9 @@ def _sampling(plan: StepPlan) -> StepPlan:
 
 
 def _copy_inputs(dst, src) -> None:
-    """Fill captured (static) inputs from a new step's: one StepInputs or a tuple of them."""
-    if isinstance(dst, StepInputs):
+    """Fill captured (static) inputs from a new step's: one inputs object with a ``copy_``
+    (StepInputs, DCP's DCPStepInputs, a tensor) or a tuple of them (None entries skipped)."""
+    if not isinstance(dst, tuple):
         dst.copy_(src)
         return
     for d, s in zip(dst, src):

@@ -6,8 +6,9 @@ cache with a shuffled block table, checks the Triton output against the torch re
 (on a subset of requests for big shapes), and times with CUDA events (warmup, L2 flushed
 before every rep, median, rotating among several query sets). ``--models`` takes the
 shapes of model presets at each ``--tp``; ``--configs`` lists launch configs to compare
-(``auto`` is the backend's own per-shape choice); ``--spread`` gives the requests mixed
-lengths.
+(``auto`` is the backend's own per-shape choice; a suffix ``@k`` sets
+``TritonConfig.balance``, slices of equal tokens on a grid of k times the splits);
+``--spread`` gives the requests mixed lengths.
 
 - triton: the ``triton`` backend's decode (split-K) over the paged cache;
 - sdpa: ``scaled_dot_product_attention`` on q ``[B, Hq, 1, d]`` with contiguous K/V
@@ -53,8 +54,9 @@ def parse_args(argv=None):
     p.add_argument("--ref-requests", type=int, default=16, help="requests checked against the reference")
     p.add_argument("--configs", nargs="+", default=["64:4:2"],
                    help="triton configs block_n:num_warps:num_stages[:waves], or auto (the backend's own choice "
-                        "per shape); the first is the reported one")
-    p.add_argument("--num-splits", type=int, default=None, help="fix the split count (default: heuristic)")
+                        "per shape), each optionally with @balance (e.g. auto@4); the first is the reported one")
+    p.add_argument("--num-splits", type=int, default=None,
+                   help="fix the split count (default, or 0: the heuristic; --dry-run's default: 3)")
     p.add_argument("--waves", type=int, default=4, help="split heuristic: programs per SM")
     p.add_argument("--min-split-tokens", type=int, default=256, help="split heuristic: fewest tokens a split gets")
     p.add_argument("--max-splits", type=int, default=None, help="split heuristic: most splits (default: the backend's)")
@@ -72,6 +74,8 @@ def parse_args(argv=None):
         args.head_dim, args.warmup, args.reps, args.query_sets, args.ref_requests = 32, 1, 2, 2, 2
         args.configs = ["16:4:2"] if args.configs == ["64:4:2"] else args.configs
         args.num_splits = 3 if args.num_splits is None else args.num_splits
+    if args.num_splits == 0:
+        args.num_splits = None
     if args.out is None and os.environ.get("OUT"):
         args.out = os.path.join(os.environ["OUT"], "bench_attention.json")
     if not 0.0 <= args.spread < 1.0:
@@ -197,10 +201,11 @@ def check_and_time_triton(env, args, case, qs, row):
     configs = [parse_config(c, args.waves) for c in args.configs]
     limits = {} if args.max_splits is None else dict(max_splits=args.max_splits)
     backends = []
-    for bn, w, s, waves in configs:
+    for bn, w, s, waves, balance in configs:
         launch = {} if bn is None else dict(block_n=bn, num_warps=w, num_stages=s)
         backends.append(attn.get_backend("triton", env["device"], waves=waves, num_splits=args.num_splits,
-                                         min_split_tokens=args.min_split_tokens, **limits, **launch))
+                                         min_split_tokens=args.min_split_tokens, balance=balance, **limits,
+                                         **launch))
     n_ref = min(batch, args.ref_requests)
     sub = attn.AttentionMetadata(meta.query_start_loc[: n_ref + 1], meta.seq_lens[:n_ref], meta.block_table[:n_ref],
                                  1, meta.max_seq_len)
@@ -209,11 +214,13 @@ def check_and_time_triton(env, args, case, qs, row):
     row["rel_err"], row["ref_requests"] = rel_err(out[:n_ref], ref), n_ref
     graphs = env["device"].type == "cuda" and not args.no_graphs
     row["configs"] = []
-    for i, ((bn, w, s, waves), backend) in enumerate(zip(configs, backends)):
+    for i, ((bn, w, s, waves, balance), backend) in enumerate(zip(configs, backends)):
         call = lambda q, b=backend: b(q, case.k_cache, case.v_cache, meta, case.scale)
-        how = env["decode_launch"](batch * row["hkv"], row["ctx"], row["head_dim"], env["num_sms"], backend.config)
+        how = env["decode_launch"](batch * row["hkv"], row["ctx"], row["head_dim"], env["num_sms"], backend.config,
+                                   balanced=batch > 1)  # as the backend's decode decides
         timing = dict(block_n=how.block_n, num_warps=how.num_warps, num_stages=how.num_stages, waves=waves,
-                      num_splits=how.num_splits, auto=bn is None)
+                      num_splits=how.num_splits, budget_splits=how.budget_splits, balance=balance,
+                      auto=bn is None)
         row["configs"].append(timing)
         try:
             timing["rel_err"] = row["rel_err"] if i == 0 else rel_err(call(case.q)[:n_ref], ref)
@@ -232,25 +239,34 @@ def check_and_time_triton(env, args, case, qs, row):
     first = row["configs"][0]
     row["num_splits"] = first["num_splits"]
     row["launch"] = f"{first['block_n']}:{first['num_warps']}:{first['num_stages']} s{first['num_splits']}"
+    if first["budget_splits"]:
+        row["launch"] += f"/{first['budget_splits']}"
     row["triton_us"] = row["configs"][0]["us"]
     row["triton_best_us"] = min(c["us"] for c in timed)
     if graphs:
         row["triton_graph_us"] = row["configs"][0]["graph_us"]
         best = min(timed, key=lambda c: c["graph_us"])
         row["triton_best_graph_us"] = best["graph_us"]
-        row["best_config"] = f"{best['block_n']}:{best['num_warps']}:{best['num_stages']}:{best['waves']}"
+        row["best_config"] = (f"{best['block_n']}:{best['num_warps']}:{best['num_stages']}:{best['waves']}"
+                              f"@{best['balance'] or 'auto'}")
     return out
 
 
 def parse_config(text: str, waves: int):
-    """``"auto"`` or ``"block_n:num_warps:num_stages[:waves]"`` -> ``(bn, w, s, waves)``
-    (``None`` launch fields: the backend's own choice)."""
-    if text == "auto":
-        return None, None, None, waves
-    parts = [int(x) for x in text.split(":")]
-    if len(parts) not in (3, 4):
-        raise SystemExit(f"--configs {text!r}: expected block_n:num_warps:num_stages[:waves] or auto")
-    return (*parts[:3], parts[3] if len(parts) == 4 else waves)
+    """``"auto[@balance]"`` or ``"block_n:num_warps:num_stages[:waves][@balance]"`` ->
+    ``(bn, w, s, waves, balance)`` (``None`` launch fields: the backend's own choice)."""
+    spec, _, bal = text.partition("@")
+    try:
+        balance = int(bal) if bal else None  # None: the backend's own choice per shape
+        parts = [] if spec == "auto" else [int(x) for x in spec.split(":")]
+    except ValueError:
+        parts, balance = [0], 0
+    if spec == "auto" and (balance is None or balance >= 1):
+        return None, None, None, waves, balance
+    if len(parts) not in (3, 4) or (balance is not None and balance < 1):
+        raise SystemExit(f"--configs {text!r}: expected block_n:num_warps:num_stages[:waves][@balance] "
+                         f"or auto[@balance]")
+    return (*parts[:3], parts[3] if len(parts) == 4 else waves, balance)
 
 
 def time_contiguous_kernels(env, case, qs, out, row):

@@ -13,6 +13,12 @@ mode), greedy decoding; a mode's tokens must equal every other mode's on the sam
 with ``--dcp-kv-heads`` KV heads, and TKNP runs on that variant too (``tknp-mqa``).
 Writes ``results.json``, ``results.csv`` and PNG plots (throughput vs offered batch,
 latency panels, SLO vs arrival rate) under ``--out``.
+
+``--modes tknp-dual`` (two weight copies, dual active roots) runs two copies only on the
+traces where the pool simulator predicts they pay (:mod:`tknp_megatron.analysis.dual_choice`,
+decided before any process starts, one line per trace); elsewhere that trace runs
+single-copy ``tknp`` (or, if ``tknp`` is also asked for, only its row). ``--force-dual``
+runs two copies everywhere.
 """
 
 from __future__ import annotations
@@ -48,6 +54,9 @@ def parse_args(argv=None):
                    help="dense layers of every mode: local, transformer_engine or auto (TE where installed, on GPU)")
     p.add_argument("--fp8-recipe", default=None, metavar="RECIPE",
                    help="FP8-stored GEMM weights for every mode: tensorwise or blockwise (not with dcp)")
+    p.add_argument("--force-dual", action="store_true",
+                   help="with --modes tknp-dual: two weight copies even where the pool simulator "
+                        "predicts that a single copy serves the trace faster")
     p.add_argument("--world", type=int, default=2, help="processes when not under torchrun")
     p.add_argument("--out", default="bench_serving_out")
     p.add_argument("--report-only", action="store_true",
@@ -58,11 +67,58 @@ def parse_args(argv=None):
     if args.fp8_recipe is not None and "dcp" in args.modes:
         problems.append("--fp8-recipe with --modes dcp: DCP's head-structured QKV layer has no FP8 path; "
                         "leave dcp out of --modes")
+    if args.force_dual and Mode.TKNP_DUAL.value not in args.modes:
+        problems.append("--force-dual: only with --modes tknp-dual")
     if problems:
         p.error("; ".join(problems))
     if args.device == "cpu" and args.kv_tokens_per_node is None and not args.report_only:
         args.kv_tokens_per_node = default_cpu_kv_budget(args)
+    args.dual = {}  # trace key -> DualPolicy, decided in main before the pool starts
     return args
+
+
+def decide_dual(args) -> dict:
+    """``(context, batch, rate) -> DualPolicy`` per trace when ``tknp-dual`` is asked for: the
+    pool simulator's single vs dual copy prediction on that trace (H200 costs, whatever the
+    device) under this run's KV budget. Raises ValueError (one line) for a forced dual that
+    cannot run."""
+    from tknp_megatron.analysis.dual_choice import choose_dual, dual_policy
+
+    if Mode.TKNP_DUAL.value not in args.modes:
+        return {}
+    (preset,) = [p for label, _, p in mode_runs(args) if label == Mode.TKNP_DUAL.value]
+    nodes = int(os.environ.get("WORLD_SIZE", args.world)) // args.tp
+    budget = _dual_budget(args, preset)
+    return {(ctx, batch, rate): dual_policy(choose_dual(
+                preset, nodes, args.tp, trace, kv_tokens_per_node=args.kv_tokens_per_node, budget=budget,
+                block_size=args.block_size, weight_elem=1.0 if args.fp8_recipe else 2.0), args.force_dual)
+            for ctx, batch, rate, trace in traces(args)}
+
+
+def _dual_budget(args, preset):
+    """None under ``--kv-tokens-per-node`` (every node gets it, one copy or two); else the
+    node's memory as the engine sizes it: ``--gpu-memory-gib`` per GPU, or 0.9 of the GPU's."""
+    from tknp_megatron.analysis.dual_choice import gpu_budget
+
+    if args.kv_tokens_per_node is not None:
+        return None
+    capped = args.gpu_memory_gib is not None  # the engine's cap replaces its 0.9 of the GPU
+    gib = args.gpu_memory_gib if capped else torch.cuda.get_device_properties(
+        int(os.environ.get("LOCAL_RANK", 0))).total_memory / 2**30
+    return gpu_budget(preset, args.tp, gib, 1.0 if capped else 0.9, fp8=args.fp8_recipe is not None)
+
+
+def planned_runs(args, key) -> list:
+    """``mode_runs`` for the trace ``key``, ``tknp-dual`` replaced by single-copy ``tknp``
+    where :func:`decide_dual` said so (dropped if ``tknp`` runs on the trace anyway)."""
+    runs = []
+    for label, mode, preset in mode_runs(args):
+        if label == Mode.TKNP_DUAL.value and args.dual[key].mode is Mode.TKNP:
+            if Mode.TKNP.value in args.modes:
+                continue
+            label = mode = Mode.TKNP.value
+        runs.append((label, mode, preset))
+    return runs
 
 
 def dense_format(args):
@@ -95,7 +151,7 @@ def worker(rank, world, args):
                           max_prefill_tokens=1 << 30)
     rows = []
     for ctx, batch, rate, trace in traces(args):
-        for label, mode, preset in mode_runs(args):
+        for label, mode, preset in planned_runs(args, (ctx, batch, rate)):
             run = run_mode(Mode(mode), preset, trace, config, args.tp,
                            dtype_from_name(args.dtype), device, args.seed, dense_format(args))
             if rank == 0:
@@ -225,6 +281,16 @@ def main(argv=None) -> int:
         lines = (Path(args.out) / "partial.jsonl").read_text().splitlines()
         report([json.loads(line) for line in lines if line.strip()], Path(args.out))
         return 0
+    try:
+        with warnings.catch_warnings():  # Megatron warns about missing Apex / TE at import
+            warnings.simplefilter("ignore")
+            args.dual = decide_dual(args)
+    except ValueError as err:
+        print(f"bench_serving: error: {err}", file=sys.stderr)
+        return 2
+    if int(os.environ.get("RANK", 0)) == 0:
+        for (ctx, batch, rate), policy in args.dual.items():
+            print(f"bench_serving: ctx={ctx} batch={batch} rate={rate}: {policy.line}", flush=True)
     rank, rows = run_ranks(worker, args, args.device, args.world)
     if rank == 0:
         report(rows, Path(args.out))
