@@ -114,6 +114,27 @@ def test_decode_balanced_splits(hq, hkv, d, bs, seq_lens, options):
         assert -(-max(seq_lens) // split_len) > how.budget_splits  # the long request gets more slices
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_split_plan_against_a_python_reference(seed):
+    """The balanced launch's plan: the slice length, and a work list holding every
+    (request, slice) once, in request order, with at most R idle (-1) entries."""
+    from tknp_megatron.attention.triton_paged import load_kernels
+
+    gen = torch.Generator().manual_seed(seed)
+    num_req = int(torch.randint(1, 300, (1,), generator=gen))
+    lens = torch.randint(1, 5000, (num_req,), generator=gen, dtype=torch.int32)
+    budget, block_n = int(torch.randint(1, 5, (1,), generator=gen)), 16
+    grid = 2 * budget  # the most slices a request may take (decode_launch's grid at balance 2)
+    tiles, work = load_kernels().launch_split_plan(lens, budget, grid, block_n)
+    per = -(-int(lens.sum()) // (num_req * budget))
+    split_len = max(-(-max(per, -(-int(lens.max()) // grid)) // block_n), 1) * block_n
+    expected = [r * grid + k for r, n in enumerate(lens.tolist()) for k in range(-(-n // split_len))]
+    assert int(tiles) * block_n == split_len and max(-(-n // split_len) for n in lens.tolist()) <= grid
+    assert work.shape == (num_req * (budget + 1),) and len(expected) <= work.shape[0]
+    assert work.tolist() == expected + [-1] * (work.shape[0] - len(expected))
+    assert work.shape[0] - len(expected) <= num_req
+
+
 def test_decode_balanced_half_and_uniform_callers():
     """bf16 through the balanced path; a caller that does not ask for balance (DCP's
     partial attention, whose merge reads every slice) keeps uniform splits."""
@@ -129,9 +150,9 @@ def test_decode_balanced_half_and_uniform_callers():
     _check(rowless, torch.float32, balance=4, min_split_tokens=16, block_n=16)  # rows != requests: uniform
     with pytest.raises(ValueError, match="balance"):
         TritonConfig(balance=0)
-    # the default per shape: balanced for head dims over 128 (free there with equal lengths), not at 128
-    assert decode_launch(8, 4096, 192, 132, TritonConfig(), balanced=True).budget_splits > 0
-    assert decode_launch(8, 4096, 128, 132, TritonConfig(), balanced=True).budget_splits == 0
+    # the default: balanced (balance 2) where there is more than one split, not where one fills the GPU
+    assert decode_launch(8, 4096, 128, 132, TritonConfig(), balanced=True).budget_splits > 0
+    assert decode_launch(1024, 4096, 192, 132, TritonConfig(), balanced=True).budget_splits == 0
 
 
 def test_decode_request_without_rows():
@@ -203,7 +224,7 @@ def test_bench_per_model_shapes_and_launch_choice(tmp_path):
     for r in rows:
         auto, fixed, balanced = r["configs"]
         assert auto["auto"] and auto["block_n"] == 128  # few programs: 128-token tiles
-        assert auto["budget_splits"] > 0  # head dim 192: balanced splits by default
+        assert auto["budget_splits"] > 0  # balanced splits by default
         assert not fixed["auto"] and (fixed["block_n"], fixed["waves"]) == (16, 2)
         assert balanced["balance"] == 4 and 0 < balanced["budget_splits"] <= balanced["num_splits"]
         assert all(c["rel_err"] < 1e-2 for c in r["configs"]) and r["launch"] == f"128:4:2 s{auto['num_splits']}/{auto['budget_splits']}"

@@ -11,13 +11,15 @@ any page size works. With one split it writes the normalised output directly;
 otherwise it writes the slice's normalised fp32 partial and log2-sum-exp, and
 ``_combine_splits_kernel`` (one program per (row, head)) merges the slices.
 
-Balanced splits (decode only, ``budget_splits`` given): the slices are cut by tokens
-instead, the same length for every request (``launch_split_len``: one program computes
-it on the device from ``seq_lens`` before each launch, so a CUDA graph replays it), so a
-request gets as many slices as its length needs, up to the grid's ``num_splits``; a
-program past its request's last slice returns at once, and the merge reads only the
-slices its row has. With mixed lengths the longest request's
-programs then take about as long as the others' instead of holding up the wave.
+Balanced splits (decode only, :func:`launch_split_plan` first): the slices are cut by
+tokens instead, the same length for every request, so a request gets as many slices as
+its length needs, up to ``num_splits``. ``_split_plan_kernel`` (one program per request,
+before each launch, so a CUDA graph replays it) computes the slice length from
+``seq_lens`` and writes a work list, one ``request * num_splits + slice`` entry per
+program of the attention grid ``(R * budget + R, Hkv)`` (-1 past the last slice: at most
+``R`` of them); the merge reads only the slices its row has. With mixed lengths the
+longest request's programs then take about as long as the others' instead of holding up
+the wave, and no program of a fixed per-request grid sits idle.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["launch_paged_attention", "launch_combine_splits", "launch_split_len"]
+__all__ = ["launch_paged_attention", "launch_combine_splits", "launch_split_plan"]
 
 
 # Triton specializes integer arguments on their value (== 1, divisible by 16) and compiles a
@@ -34,13 +36,20 @@ __all__ = ["launch_paged_attention", "launch_combine_splits", "launch_split_len"
 # partials' strides, which follow the split count) change from one eager (prefill) step to
 # the next, and a compile holds up its step, so they are plain runtime values: one compile
 # serves them all.
-@triton.jit(do_not_specialize=["num_requests", "budget_splits", "num_splits"])
-def _split_len_kernel(seq_lens_ptr, split_tiles_ptr, num_requests, budget_splits, num_splits, BLOCK_N: tl.constexpr):
-    """``BLOCK_N`` tiles per slice of a balanced decode launch, into ``split_tiles_ptr[0]``:
-    the step's tokens over ``num_requests * budget_splits`` slices, but at least the
-    longest context over ``num_splits`` (the grid's slices per request), so that no
-    request needs more. One program; a kernel of its own (a second loop in the attention
-    kernel cost Nemotron's head dim 30-40 % on an H200)."""
+@triton.jit(do_not_specialize=["num_requests", "budget_splits", "num_splits", "num_work"])
+def _split_plan_kernel(seq_lens_ptr, split_tiles_ptr, work_ptr, num_requests, budget_splits, num_splits, num_work,
+                       BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """The plan of a balanced decode launch, one program per request ``r``.
+
+    Slice length (``split_tiles_ptr[0]``, in ``BLOCK_N`` tiles): the step's tokens over
+    ``num_requests * budget_splits`` slices, but at least the longest context over
+    ``num_splits``, so that no request needs more slices than that. Work list
+    (``work_ptr[num_work]``): request ``r``'s slices ``k`` as ``r * num_splits + k`` at the
+    place of ``r`` in the running count of slices; the last request fills the rest with -1.
+    Every program computes the sums itself (``R`` is at most a few hundred), so the plan
+    is one launch.
+    """
+    me = tl.program_id(0)
     total = tl.zeros([], tl.int64)
     longest = tl.zeros([], tl.int32)
     for r0 in range(0, num_requests, 128):
@@ -49,14 +58,28 @@ def _split_len_kernel(seq_lens_ptr, split_tiles_ptr, num_requests, budget_splits
         total += tl.sum(lens.to(tl.int64), 0)
         longest = tl.maximum(longest, tl.max(lens, 0))
     per = tl.cdiv(total, tl.maximum(num_requests * budget_splits, 1)).to(tl.int32)
-    split_len = tl.maximum(per, tl.cdiv(longest, num_splits))
-    tl.store(split_tiles_ptr, tl.maximum(tl.cdiv(split_len, BLOCK_N), 1))
+    tiles = tl.maximum(tl.cdiv(tl.maximum(per, tl.cdiv(longest, num_splits)), BLOCK_N), 1)
+    split_len = tiles * BLOCK_N
+    before = tl.zeros([], tl.int32)  # slices of the requests ahead of this one
+    for r0 in range(0, num_requests, 128):
+        r = r0 + tl.arange(0, 128)
+        lens = tl.load(seq_lens_ptr + r, mask=r < me, other=0)
+        before += tl.sum(tl.cdiv(lens, split_len), 0)
+    mine = tl.cdiv(tl.load(seq_lens_ptr + me), split_len)
+    k = tl.arange(0, MAX_SPLITS)
+    tl.store(work_ptr + before + k, me * num_splits + k, mask=k < mine)
+    if me == 0:
+        tl.store(split_tiles_ptr, tiles)
+    if me == num_requests - 1:
+        for w0 in range(before + mine, num_work, 128):
+            w = w0 + tl.arange(0, 128)
+            tl.store(work_ptr + w, tl.full([128], -1, tl.int32), mask=w < num_work)
 
 
 @triton.jit(do_not_specialize=["num_splits", "num_requests", "stride_os", "stride_lt", "stride_lh"])
 def _paged_attn_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
-    qsl_ptr, seq_lens_ptr, bt_ptr, tile_req_ptr, tile_first_ptr, split_tiles_ptr,
+    qsl_ptr, seq_lens_ptr, bt_ptr, tile_req_ptr, tile_first_ptr, split_tiles_ptr, work_ptr,
     scale_log2, num_splits, num_requests,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
@@ -69,13 +92,17 @@ def _paged_attn_kernel(
     VARLEN: tl.constexpr, SPLIT: tl.constexpr, BALANCED: tl.constexpr, UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    tile = tl.program_id(0)
     kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    if BALANCED:  # decode (tile = request): a program past its request's last slice leaves first thing
-        split_len = tl.load(split_tiles_ptr) * BLOCK_N  # a multiple of BLOCK_N, as below
-        if split * split_len >= tl.load(seq_lens_ptr + tile):
+    if BALANCED:  # decode: this program's (request, slice) from the plan's work list
+        item = tl.load(work_ptr + tl.program_id(0))
+        if item < 0:
             return
+        tile = item // num_splits
+        split = item % num_splits
+        split_len = tl.load(split_tiles_ptr) * BLOCK_N  # a multiple of BLOCK_N, as below
+    else:
+        tile = tl.program_id(0)
+        split = tl.program_id(2)
     # Which request and which of its query tiles this program serves.
     if VARLEN:
         req = tl.load(tile_req_ptr + tile)
@@ -195,7 +222,7 @@ def _combine_splits_kernel(
 
 def launch_paged_attention(
     q, k_cache, v_cache, out, lse, meta, scale, *, num_tiles, num_splits, block_q, group_pad,
-    block_n, num_warps, num_stages, tile_req=None, tile_first=None, upcast=False, split_tiles=None,
+    block_n, num_warps, num_stages, tile_req=None, tile_first=None, upcast=False, plan=None,
 ):
     """Launch the partial (``lse`` given, ``out`` ``[rows, Hq, S, d]`` fp32) or direct kernel.
 
@@ -206,21 +233,22 @@ def launch_paged_attention(
         num_tiles: grid size over query tiles (host int; ``R`` for decode).
         tile_req, tile_first: ``[num_tiles]`` request of each tile and ``[R]`` first tile
             of each request, for varlen launches (``None`` for decode).
-        split_tiles: ``[1]`` int32 from :func:`launch_split_len` for balanced splits
+        plan: ``(split_tiles, work)`` from :func:`launch_split_plan` for balanced splits
             (decode with ``lse`` only; ``num_splits`` is then the most any request gets),
             or ``None``.
     """
     head_dim, num_kv_heads = q.shape[2], k_cache.shape[2]
     split = lse is not None
-    balanced = split_tiles is not None
+    balanced = plan is not None
     if balanced and (not split or tile_req is not None):
         raise ValueError("balanced splits are for decode launches with partial outputs (lse given)")
     dummy = meta.seq_lens  # unused pointer arguments
-    _paged_attn_kernel[(num_tiles, num_kv_heads, num_splits)](
+    grid = (plan[1].shape[0], num_kv_heads, 1) if balanced else (num_tiles, num_kv_heads, num_splits)
+    _paged_attn_kernel[grid](
         q, k_cache, v_cache, out, lse if split else dummy,
         meta.query_start_loc, meta.seq_lens, meta.block_table,
         tile_req if tile_req is not None else dummy, tile_first if tile_first is not None else dummy,
-        split_tiles if balanced else dummy,
+        plan[0] if balanced else dummy, plan[1] if balanced else dummy,
         scale * 1.4426950408889634, num_splits, meta.num_requests,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -235,12 +263,18 @@ def launch_paged_attention(
     )
 
 
-def launch_split_len(seq_lens, budget_splits, num_splits, block_n):
-    """``[1]`` int32: ``block_n`` tiles per slice of a balanced decode launch over
-    ``[R] seq_lens`` (about ``budget_splits`` slices per request, at most ``num_splits``)."""
+def launch_split_plan(seq_lens, budget_splits, num_splits, block_n):
+    """``(split_tiles [1], work [R * budget_splits + R])`` int32: the plan of a balanced
+    decode launch over ``[R] seq_lens`` (about ``budget_splits`` slices per request, at
+    most ``num_splits``, slices of ``split_tiles * block_n`` tokens)."""
+    num_requests = seq_lens.shape[0]
     split_tiles = torch.empty(1, dtype=torch.int32, device=seq_lens.device)
-    _split_len_kernel[(1,)](seq_lens, split_tiles, seq_lens.shape[0], budget_splits, num_splits, BLOCK_N=block_n)
-    return split_tiles
+    work = torch.empty(num_requests * (budget_splits + 1), dtype=torch.int32, device=seq_lens.device)
+    _split_plan_kernel[(num_requests,)](
+        seq_lens, split_tiles, work, num_requests, budget_splits, num_splits, work.shape[0],
+        BLOCK_N=block_n, MAX_SPLITS=max(16, triton.next_power_of_2(num_splits)),
+    )
+    return split_tiles, work
 
 
 def launch_combine_splits(part, lse, out, num_splits, seq_lens=None, split_tiles=None, block_n=16):

@@ -7,11 +7,11 @@ of splits fills the GPU with one resident wave: at most ``waves * num_SMs`` prog
 total, at least ``min_split_tokens`` context tokens per split, at most ``max_splits``.
 With more than one split a second small kernel merges the fp32 partials by their
 log-sum-exp. The tile and pipeline depth are chosen per shape (:func:`decode_launch`,
-from the sweeps in ``docs/ARCHITECTURE.md``). With ``TritonConfig.balance > 1`` the
-slices are cut by tokens, the same length for every request (sized on the device from
-``seq_lens``), over a grid of ``balance`` times the splits, so a long request gets more
-slices than a short one (the default for head dims over 128). Grid sizes come from host ints only (``R``, ``max_seq_len``),
-so there is no device sync.
+from the sweeps in ``docs/ARCHITECTURE.md``). With ``TritonConfig.balance > 1`` (the
+default: 2) the slices are cut by tokens, the same length for every request, so a long
+request gets more slices than a short one; a small kernel plans them on the device from
+``seq_lens`` (a work list that is the grid). Grid sizes come from host ints only (``R``,
+``max_seq_len``), so there is no device sync.
 
 Prefill or mixed batches (``max_query_len > 1``) run the same kernel over query tiles
 (``BLOCK_Q`` rows x the head group); a tile -> request map is built on the device with
@@ -77,8 +77,8 @@ class TritonConfig:
             slices of the same number of tokens (the step's tokens over the split budget),
             on a grid of ``balance`` times the heuristic's splits per request, so the
             longest request may take that many times its share; 1 cuts each request's own
-            context into the heuristic's number of equal slices; ``None``: per shape, 2
-            for head dims over 128 and 1 otherwise (:func:`decode_launch`).
+            context into the heuristic's number of equal slices; ``None``: 2
+            (:func:`decode_launch`).
         prefill: ``"triton"`` (varlen kernel) or ``"sdpa"`` for ``max_query_len > 1``.
     """
 
@@ -163,14 +163,16 @@ def decode_launch(programs: int, max_kv_len: int, head_dim: int, num_sms: int, c
     - otherwise 64-token tiles, 4 warps, 2 stages.
 
     With ``balanced`` (callers whose merge reads only the slices each row has), a balance
-    over 1 and more than one split, the grid holds ``balance`` times the splits, at most
-    one slice per tile of the longest context and at most 128. The default balance is 2
-    for head dims over 128 and 1 (off) otherwise. On an H200 (RESULTS, "Mixed lengths"),
-    with lengths spread 10x, balance 2 took 0.74-0.78x the time of equal slices per
-    request at B x context >= 1M; with equal lengths it cost nothing at head dim 192
-    but 4 % at head dim 128 (the grid's idle half), plus about 3 us per call at small
-    shapes. With one split the batch alone fills the GPU and the hardware hands a
-    finished program's place to the next one: balancing there cost 1-30 %.
+    over 1 and more than one split, a request may take up to ``balance`` times the splits
+    (at most one slice per tile of the longest context, at most 128), and the kernels'
+    grid is the work list's (:func:`~tknp_megatron.attention.triton_kernels.launch_split_plan`).
+    The default balance is 2. On an H200 (``benchmarks/RESULTS.md``, "Mixed lengths"), with
+    lengths spread 10x it took 0.75-0.79x the time of equal slices per request at
+    B x context >= 1M; with equal lengths, 0.93-1.06x (median 1.03) at head dim 128 and
+    0.92-1.10x (median 0.98) at 192, plus about 4 us per call at small shapes (the plan's
+    kernel). Serving batches mix lengths, so it is on by default. With one split the
+    batch alone fills the GPU and the hardware hands a finished program's place to the
+    next one: balancing there cost 1-30 %.
 
     Args:
         programs: programs without splitting (requests x kv heads).
@@ -190,7 +192,7 @@ def decode_launch(programs: int, max_kv_len: int, head_dim: int, num_sms: int, c
         tile = (64, 4, 2)
     block_n, warps, stages = (given if given is not None else chosen for given, chosen in
                               zip((config.block_n, config.num_warps, config.num_stages), tile))
-    balance = config.balance if config.balance is not None else (2 if head_dim > 128 else 1)
+    balance = 2 if config.balance is None else config.balance
     if balanced and balance > 1 and config.num_splits is None and splits > 1:
         grid = max(splits, min(splits * balance, -(-max_kv_len // block_n), 128))
         if grid > 1:
@@ -307,16 +309,16 @@ class TritonPagedBackend(AttentionBackend):
     def _run(self, q, k_cache, v_cache, meta, scale, num_tiles, block_q, group_pad, tiles, how: DecodeLaunch):
         kernels = load_kernels()
         splits = how.num_splits
-        split_tiles = None
-        if how.budget_splits:  # per call, not per step: a value kept across calls would go stale
-            split_tiles = kernels.launch_split_len(meta.seq_lens, how.budget_splits, splits, how.block_n)  # in a graph
+        plan = None
+        if how.budget_splits:  # per call, so a graph replays it: a plan kept across calls would go stale
+            plan = kernels.launch_split_plan(meta.seq_lens, how.budget_splits, splits, how.block_n)
         out = torch.empty_like(q)
         launch = functools.partial(
             kernels.launch_paged_attention, q, k_cache, v_cache, meta=meta, scale=scale,
             num_tiles=num_tiles, num_splits=splits, block_q=block_q, group_pad=group_pad,
             block_n=how.block_n, num_warps=how.num_warps, num_stages=how.num_stages,
             tile_req=tiles[0] if tiles else None, tile_first=tiles[1] if tiles else None,
-            upcast=interpreter_upcast(q.dtype), split_tiles=split_tiles,
+            upcast=interpreter_upcast(q.dtype), plan=plan,
         )
         if not how.partials:
             launch(out=out, lse=None)
@@ -325,6 +327,7 @@ class TritonPagedBackend(AttentionBackend):
         part = torch.empty((rows, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
         lse = torch.empty((rows, num_heads, splits), dtype=torch.float32, device=q.device)
         launch(out=part, lse=lse)
+        split_tiles = None if plan is None else plan[0]
         kernels.launch_combine_splits(part, lse, out, splits, meta.seq_lens, split_tiles, how.block_n)
         return out
 

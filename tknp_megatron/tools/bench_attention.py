@@ -319,7 +319,45 @@ def check_small_cases(env, dry_run):
         ref = attn.get_backend("torch")(*case.args())
         err = rel_err(out, ref) if bool(torch.isfinite(out.float()).all()) else float("inf")
         rows.append(dict(case=i, dtype=dt, rel_err=err, ok=err < (1e-4 if dt == "float32" else 1e-2)))
+    if env["device"].type == "cuda":
+        for hq, hkv, d, balance in ((12, 1, 192, None), (8, 1, 128, 2)):
+            rows.append(check_graph_replay(env, hq, hkv, d, balance))
     return rows
+
+
+def check_graph_replay(env, hq, hkv, d, balance):
+    """A decode call captured in a CUDA graph at short lengths, replayed after the lengths
+    and queries change in place to long ones (as the engine's static inputs do): the
+    balanced slice length must be recomputed inside the graph, or the long requests would
+    need more slices than the grid has. Compared with the reference at the new lengths."""
+    torch, attn, testing = env["torch"], env["attn"], env["testing"]
+    bound, block = 4096, 16
+    case = testing.make_paged_case([1] * 8, [50] * 8, num_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=block,
+                                   dtype=torch.bfloat16, device=env["device"], seed=7, pad_blocks=bound // block,
+                                   poison=False)  # the new lengths read the padding entries
+    meta = attn.AttentionMetadata(case.meta.query_start_loc, case.meta.seq_lens.clone(), case.meta.block_table, 1,
+                                  bound)  # the grid is sized for the bound, as a captured bucket's is
+    backend = attn.get_backend("triton", env["device"], balance=balance)
+    how = env["decode_launch"](8 * hkv, bound, d, env["num_sms"], backend.config, balanced=True)
+    q = case.q.clone()
+    call = lambda: backend(q, case.k_cache, case.v_cache, meta, case.scale)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    graph.replay()
+    meta.seq_lens.copy_(torch.tensor([4000, 17, 3900, 64, 2600, 5, 1200, 4090], dtype=torch.int32,
+                                     device=env["device"]))
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    ref = attn.get_backend("torch")(q, case.k_cache, case.v_cache, meta, case.scale)
+    err = rel_err(out, ref)
+    return dict(case=f"graph replay {hq}/{hkv}/{d}, budget {how.budget_splits} of {how.num_splits} splits",
+                dtype="bfloat16", rel_err=err, ok=how.budget_splits > 0 and err < 1e-2)
 
 
 def graph_time(env, call, qs) -> float:
