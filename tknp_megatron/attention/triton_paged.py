@@ -75,10 +75,9 @@ class TritonConfig:
         waves: programs per SM the heuristic fills the GPU with (one resident wave).
         balance: decode with mixed lengths: ``> 1`` cuts every request's context into
             slices of the same number of tokens (the step's tokens over the split budget),
-            on a grid of ``balance`` times the heuristic's splits per request, so the
-            longest request may take that many times its share; 1 cuts each request's own
-            context into the heuristic's number of equal slices; ``None``: 2
-            (:func:`decode_launch`).
+            and a request may take up to ``balance`` times the heuristic's splits, so the
+            longest may take that many times its share; 1 cuts each request's own context
+            into the heuristic's number of equal slices; ``None``: 2 (:func:`decode_launch`).
         prefill: ``"triton"`` (varlen kernel) or ``"sdpa"`` for ``max_query_len > 1``.
     """
 
@@ -100,7 +99,8 @@ class TritonConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
-        if self.max_splits < 1 or self.min_split_tokens < 1 or self.waves < 1 or (self.balance is not None and self.balance < 1):
+        balance = 1 if self.balance is None else self.balance
+        if self.max_splits < 1 or self.min_split_tokens < 1 or self.waves < 1 or balance < 1:
             raise ValueError("max_splits, min_split_tokens, waves and balance must be >= 1")
         if self.prefill not in ("triton", "sdpa"):
             raise ValueError(f"prefill must be 'triton' or 'sdpa', got {self.prefill!r}")
@@ -129,7 +129,7 @@ class DecodeLaunch:
     """Launch parameters of one decode call of the kernel.
 
     Attributes:
-        num_splits: KV slices per request in the grid.
+        num_splits: KV slices per request (balanced: the most one request takes).
         block_n, num_warps, num_stages: the tile and pipeline depth.
         budget_splits: 0, or (balanced splits) the slices per request the step's tokens
             are spread over on average; ``num_splits`` is then the most one request gets.
