@@ -340,15 +340,7 @@ def check_graph_replay(env, hq, hkv, d, balance):
     backend = attn.get_backend("triton", env["device"], balance=balance)
     how = env["decode_launch"](8 * hkv, bound, d, env["num_sms"], backend.config, balanced=True)
     q = case.q.clone()
-    call = lambda: backend(q, case.k_cache, case.v_cache, meta, case.scale)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    (graph,), (out,) = capture_graphs(torch, [lambda: backend(q, case.k_cache, case.v_cache, meta, case.scale)])
     graph.replay()
     meta.seq_lens.copy_(torch.tensor([4000, 17, 3900, 64, 2600, 5, 1200, 4090], dtype=torch.int32,
                                      device=env["device"]))
@@ -360,21 +352,27 @@ def check_graph_replay(env, hq, hkv, d, balance):
                 dtype="bfloat16", rel_err=err, ok=how.budget_splits > 0 and err < 1e-2)
 
 
-def graph_time(env, call, qs) -> float:
-    """Median time (us) of ``call(q)`` replayed from CUDA graphs, one graph per query set."""
-    torch = env["torch"]
+def capture_graphs(torch, fns):
+    """Warm each of ``fns`` up on a side stream (compiles, allocates), then capture each in
+    a CUDA graph; returns ``(graphs, outputs of the captured calls)``."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for q in qs:
-            call(q)
+        for fn in fns:
+            fn()
     torch.cuda.current_stream().wait_stream(stream)
-    graphs = []
-    for q in qs:
+    graphs, outs = [], []
+    for fn in fns:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            call(q)
+            outs.append(fn())
         graphs.append(graph)
+    return graphs, outs
+
+
+def graph_time(env, call, qs) -> float:
+    """Median time (us) of ``call(q)`` replayed from CUDA graphs, one graph per query set."""
+    graphs, _ = capture_graphs(env["torch"], [lambda q=q: call(q) for q in qs])
     return env["timer"](lambda i: graphs[i % len(graphs)].replay())
 
 
