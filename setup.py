@@ -22,6 +22,7 @@ setup(
         "console_scripts": [
             "tknp-bench-attention = tknp_megatron.tools.bench_attention:cli",
             "tknp-bench-host = tknp_megatron.tools.bench_host:main",
+            "tknp-bench-megatron-engine = tknp_megatron.tools.bench_megatron_engine:cli",
             "tknp-bench-serving = tknp_megatron.tools.bench_serving:main",
             "tknp-bench-step = tknp_megatron.tools.bench_step:main",
             "tknp-capacity-report = tknp_megatron.tools.capacity_report:main",

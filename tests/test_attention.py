@@ -135,6 +135,9 @@ def test_registry_names_and_errors():
         get_backend("no-such-backend", "cpu")
     with pytest.raises(ValueError, match="not available"):
         get_backend("flash", "cpu")
+    assert "fa4" not in names  # flash-attn-4 needs compute capability 9.0+
+    with pytest.raises(ValueError, match="not available"):
+        get_backend("fa4", "cpu")
 
 
 def test_register_custom_backend():
@@ -203,5 +206,23 @@ def test_flash_matches_torch_reference(mixed):
     case = make_paged_case(query_lens, seq_lens, num_heads=8, num_kv_heads=2, head_dim=128,
                            block_size=256, dtype=torch.bfloat16, device="cuda", poison=False)
     out = get_backend("flash", "cuda")(*case.args())
+    ref = get_backend("torch", "cuda")(*case.args())
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def _fa4_usable() -> bool:
+    return torch.cuda.is_available() and "fa4" in available_backends("cuda")
+
+
+@pytest.mark.skipif(not _fa4_usable(), reason="flash-attn-4 and a Hopper+ GPU are optional; CI has neither")
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("mixed", [False, True])
+def test_fa4_matches_torch_reference(mixed, block_size):
+    """Where flash-attn-4 imports (GPU machines), it must match the reference backend, at the
+    engine's page size (FA4's non-TMA path) and at its key tile (TMA)."""
+    query_lens = [3, 1, 5] if mixed else [1, 1, 1]
+    case = make_paged_case(query_lens, [300, 700, 1200], num_heads=8, num_kv_heads=2, head_dim=128,
+                           block_size=block_size, dtype=torch.bfloat16, device="cuda", poison=False)
+    out = get_backend("fa4", "cuda")(*case.args())
     ref = get_backend("torch", "cuda")(*case.args())
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)

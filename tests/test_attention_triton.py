@@ -139,6 +139,7 @@ def test_decode_balanced_half_and_uniform_callers():
     """bf16 through the balanced path; a caller that does not ask for balance (DCP's
     partial attention, whose merge reads every slice) keeps uniform splits."""
     from tknp_megatron.attention import TritonConfig, decode_launch
+    from tknp_megatron.attention.triton_paged import BALANCE_MIN_WORK
 
     case = make_paged_case([1] * 3, [90, 7, 40], num_heads=8, num_kv_heads=2, head_dim=16, block_size=8,
                            dtype=torch.bfloat16, seed=4)
@@ -150,9 +151,16 @@ def test_decode_balanced_half_and_uniform_callers():
     _check(rowless, torch.float32, balance=4, min_split_tokens=16, block_n=16)  # rows != requests: uniform
     with pytest.raises(ValueError, match="balance"):
         TritonConfig(balance=0)
-    # the default: balanced (balance 2) where there is more than one split, not where one fills the GPU
-    assert decode_launch(8, 4096, 128, 132, TritonConfig(), balanced=True).budget_splits > 0
+    # the default: balanced (balance 2) where there is more than one split, not where one fills the GPU,
+    # and not below BALANCE_MIN_WORK KV head-tokens (the plan's kernel would cost more than it saves)
+    assert decode_launch(8, 65536, 128, 132, TritonConfig(), balanced=True).budget_splits > 0
     assert decode_launch(1024, 4096, 192, 132, TritonConfig(), balanced=True).budget_splits == 0
+    assert 8 * 4096 < BALANCE_MIN_WORK <= 8 * 65536
+    assert decode_launch(8, 4096, 128, 132, TritonConfig(), balanced=True).budget_splits == 0
+    assert decode_launch(8, 4096, 128, 132, TritonConfig(balance_min_work=0), balanced=True).budget_splits > 0
+    assert decode_launch(8, 4096, 128, 132, TritonConfig(balance=2), balanced=True).budget_splits > 0  # asked for
+    with pytest.raises(ValueError, match="balance_min_work"):
+        TritonConfig(balance_min_work=-1)
 
 
 def test_decode_request_without_rows():
@@ -214,7 +222,7 @@ def test_bench_per_model_shapes_and_launch_choice(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "tknp_megatron.tools.bench_attention", "--dry-run", "--models", "nemotron4-340b",
          "--tp", "8", "--configs", "auto", "16:4:2:2", "16:4:2@4", "--spread", "0.5", "--min-split-tokens", "16",
-         "--num-splits", "0",
+         "--num-splits", "0", "--balance-min-work", "0",  # tiny shapes: balanced as a big one would be
          "--out", str(out)],
         capture_output=True, text=True, timeout=120, cwd=REPO,
     )

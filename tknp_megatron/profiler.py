@@ -7,13 +7,17 @@ where the phase happens. On CUDA the marks are events (no host sync until
 
 from __future__ import annotations
 
+import statistics
 import time
-from dataclasses import dataclass, fields
-from typing import List, Tuple
+from collections import deque
+from dataclasses import dataclass, field, fields
+from typing import Deque, List, Tuple
 
 import torch
 
 __all__ = ["PHASES", "LoopTiming", "PhaseTimes", "PhaseTimer"]
+
+HOST_STEPS_KEPT = 4096  # LoopTiming: steps whose host work the median is taken over
 
 PHASES = ("root_qkv", "scatter", "attention", "gather", "root_proj_mlp", "handoff")
 
@@ -76,17 +80,33 @@ class LoopTiming:
     ``host_s`` is time the rank's host works on steps (planning, broadcasting, preparing
     inputs, launching, booking); ``wait_s`` is time it waits: the coordinator for a
     step's tokens (the GPU), the other ranks for the next plan (the coordinator). A rank
-    whose ``host_s`` per step is near the step period is host-bound.
+    whose ``host_s`` per step is near the step period is host-bound. The mean includes the
+    steps that admit requests (sending or receiving their prompts' KV); the median of
+    :attr:`host_steps` (the last ``HOST_STEPS_KEPT`` steps, so a server's record stays
+    bounded) is a decode step's host work.
     """
 
     steps: int = 0
     host_s: float = 0.0
     wait_s: float = 0.0
+    host_steps: Deque[float] = field(default_factory=lambda: deque(maxlen=HOST_STEPS_KEPT))  # seconds
+
+    def add(self, host_s: float, wait_s: float = 0.0) -> None:
+        """Book one step: its host work and its waiting (seconds)."""
+        self.steps += 1
+        self.host_s += host_s
+        self.wait_s += wait_s
+        self.host_steps.append(host_s)
 
     def clear(self) -> None:
         self.steps, self.host_s, self.wait_s = 0, 0.0, 0.0
+        self.host_steps.clear()
 
     def per_step_ms(self) -> Tuple[float, float]:
         """``(host, wait)`` milliseconds per step."""
         n = max(1, self.steps)
         return 1e3 * self.host_s / n, 1e3 * self.wait_s / n
+
+    def host_median_ms(self) -> float:
+        """Median host work of one step (ms); 0 before any step."""
+        return 1e3 * statistics.median(self.host_steps) if self.host_steps else 0.0

@@ -46,6 +46,7 @@ class ModeRun:
     resident_batch_mean: float  # requests resident per step, summed over pools
     host_ms_per_step: tuple = ()  # per rank: host work per step (LoopTiming)
     wait_ms_per_step: tuple = ()  # per rank: waiting per step (coordinators: for the GPU)
+    host_ms_p50_per_step: tuple = ()  # per rank: median host work of a step (a decode step's)
 
 
 def _arrivals(workload: Workload, vocab: int, seed: int, pool: int, pools: int) -> List[Arrival]:
@@ -115,7 +116,7 @@ def run_mode(
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
         timings = [None] * dist.get_world_size()
-        dist.all_gather_object(timings, engine.loop_timing.per_step_ms())
+        dist.all_gather_object(timings, (*engine.loop_timing.per_step_ms(), engine.loop_timing.host_median_ms()))
     finally:
         engine = None
         ps.destroy_model_parallel()  # (collects the engine first)
@@ -125,7 +126,8 @@ def run_mode(
         return None
     run = _merge(mode, workload, [m for m in every if m is not None])
     return dataclasses.replace(run, host_ms_per_step=tuple(t[0] for t in timings),
-                               wait_ms_per_step=tuple(t[1] for t in timings))
+                               wait_ms_per_step=tuple(t[1] for t in timings),
+                               host_ms_p50_per_step=tuple(t[2] for t in timings))
 
 
 def _merge(mode: Mode, workload: Workload, parts) -> ModeRun:

@@ -2,7 +2,8 @@
 
 Backends register themselves on import: ``torch`` (reference), ``sdpa`` (vectorised
 torch), ``triton`` (paged split-K decode; needs ``triton`` and CUDA, or
-``TRITON_INTERPRET=1`` on CPU) and ``flash`` (only when ``flash_attn`` imports).
+``TRITON_INTERPRET=1`` on CPU), ``flash`` (only when ``flash_attn`` 2 imports) and ``fa4``
+(flash-attn-4, only when ``flash_attn.cute`` imports, on compute capability 9.0+).
 ``get_backend(None, device)`` picks ``triton`` on CUDA when usable, else ``torch``.
 
 The Triton launch helpers (:class:`TritonConfig`, :func:`decode_launch`, :func:`choose_num_splits`,
@@ -12,6 +13,7 @@ launch them exactly as the ``triton`` backend does.
 """
 
 from tknp_megatron.attention import flash as _flash  # noqa: F401  (registers "flash"; imports flash_attn lazily)
+from tknp_megatron.attention import flash4 as _flash4  # noqa: F401  (registers "fa4"; imports flash_attn.cute lazily)
 from tknp_megatron.attention import sdpa as _sdpa  # noqa: F401  (registers "sdpa")
 from tknp_megatron.attention import torch_ref as _torch_ref  # noqa: F401  (registers "torch")
 from tknp_megatron.attention import triton_paged as _triton_paged  # noqa: F401  (registers "triton"; imports triton lazily)

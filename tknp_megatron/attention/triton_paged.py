@@ -77,7 +77,12 @@ class TritonConfig:
             slices of the same number of tokens (the step's tokens over the split budget),
             and a request may take up to ``balance`` times the heuristic's splits, so the
             longest may take that many times its share; 1 cuts each request's own context
-            into the heuristic's number of equal slices; ``None``: 2 (:func:`decode_launch`).
+            into the heuristic's number of equal slices; ``None``: 2 (:func:`decode_launch`)
+            where the launch covers at least ``balance_min_work`` KV head-tokens.
+        balance_min_work: with ``balance`` left ``None``, the fewest KV head-tokens
+            (programs x longest context) a launch covers for it to be balanced; below, the
+            plan kernel's few microseconds cost more than balancing saves. ``None``:
+            ``BALANCE_MIN_WORK``. An explicit ``balance`` always balances.
         prefill: ``"triton"`` (varlen kernel) or ``"sdpa"`` for ``max_query_len > 1``.
     """
 
@@ -89,6 +94,7 @@ class TritonConfig:
     min_split_tokens: int = 256
     waves: int = 4
     balance: Optional[int] = None
+    balance_min_work: Optional[int] = None
     prefill: str = "triton"
 
     def __post_init__(self) -> None:
@@ -102,6 +108,8 @@ class TritonConfig:
         balance = 1 if self.balance is None else self.balance
         if self.max_splits < 1 or self.min_split_tokens < 1 or self.waves < 1 or balance < 1:
             raise ValueError("max_splits, min_split_tokens, waves and balance must be >= 1")
+        if self.balance_min_work is not None and self.balance_min_work < 0:
+            raise ValueError(f"balance_min_work must be >= 0, got {self.balance_min_work}")
         if self.prefill not in ("triton", "sdpa"):
             raise ValueError(f"prefill must be 'triton' or 'sdpa', got {self.prefill!r}")
 
@@ -147,6 +155,9 @@ class DecodeLaunch:
         return self.num_splits > 1 or self.budget_splits > 0
 
 
+BALANCE_MIN_WORK = 1 << 19  # KV head-tokens (programs x longest context): TritonConfig.balance_min_work
+
+
 def decode_launch(programs: int, max_kv_len: int, head_dim: int, num_sms: int, config: TritonConfig,
                   balanced: bool = False) -> DecodeLaunch:
     """The splits (:func:`choose_num_splits`) and the tile of a decode launch, per shape.
@@ -170,9 +181,12 @@ def decode_launch(programs: int, max_kv_len: int, head_dim: int, num_sms: int, c
     lengths spread 10x it took 0.75-0.79x the time of equal slices per request at
     B x context >= 1M; with equal lengths, 0.93-1.06x (median 1.03) at head dim 128 and
     0.92-1.10x (median 0.98) at 192, plus about 4 us per call at small shapes (the plan's
-    kernel). Serving batches mix lengths, so it is on by default. With one split the
-    batch alone fills the GPU and the hardware hands a finished program's place to the
-    next one: balancing there cost 1-30 %.
+    kernel). Serving batches mix lengths, so it is on by default where a launch covers at
+    least ``BALANCE_MIN_WORK`` KV head-tokens (256 MiB of bf16 K and V at head dim 128,
+    about 60 us of reading): at half that, balancing cost 3-10 us (4-13 %) with equal
+    lengths on an H200, more than the ~4 us plan kernel alone. With one
+    split the batch alone fills the GPU and the hardware hands a finished program's place
+    to the next one: balancing there cost 1-30 %.
 
     Args:
         programs: programs without splitting (requests x kv heads).
@@ -193,6 +207,9 @@ def decode_launch(programs: int, max_kv_len: int, head_dim: int, num_sms: int, c
     block_n, warps, stages = (given if given is not None else chosen for given, chosen in
                               zip((config.block_n, config.num_warps, config.num_stages), tile))
     balance = 2 if config.balance is None else config.balance
+    if config.balance is None:
+        floor = BALANCE_MIN_WORK if config.balance_min_work is None else config.balance_min_work
+        balanced = balanced and programs * max_kv_len >= floor
     if balanced and balance > 1 and config.num_splits is None and splits > 1:
         grid = max(splits, min(splits * balance, -(-max_kv_len // block_n), 128))
         if grid > 1:

@@ -90,8 +90,7 @@ class LockstepEngine(InferenceEngine):
         if queued is not None:
             self.scheduler.mark_in_flight(queued[0])
         timing = self.loop_timing
-        timing.steps += 1
-        timing.host_s += time.perf_counter() - start - (timing.wait_s - waited)
+        timing.add(time.perf_counter() - start - (timing.wait_s - waited))
         return finished
 
     def _microbatch_for(self, req: Request) -> int:
@@ -113,10 +112,7 @@ class LockstepEngine(InferenceEngine):
         if plan.idle:
             return True
         self.executor.execute(plan)
-        timing = self.loop_timing
-        timing.steps += 1
-        timing.wait_s += received - start
-        timing.host_s += time.perf_counter() - received
+        self.loop_timing.add(time.perf_counter() - received, received - start)
         return True
 
     def shutdown(self) -> None:

@@ -16,6 +16,8 @@ shapes of model presets at each ``--tp``; ``--configs`` lists launch configs to 
   folded into the query length, ``[B, Hkv, G, d]``, which reads K/V once per group);
 - copy: a device-to-device copy moving the same number of bytes as attention reads
   (reads half, writes half): the bandwidth ceiling;
+- fa4: the ``fa4`` backend (flash-attn-4) over the same paged cache, when it imports;
+  checked against the reference like triton, timed from CUDA graphs (``fa4_us``);
 - flash: ``flash_attn_with_kvcache`` on contiguous K/V, when flash_attn imports.
 
 Bandwidth = bytes of K and V read / time. Prints one table last and writes JSON to
@@ -60,6 +62,9 @@ def parse_args(argv=None):
     p.add_argument("--waves", type=int, default=4, help="split heuristic: programs per SM")
     p.add_argument("--min-split-tokens", type=int, default=256, help="split heuristic: fewest tokens a split gets")
     p.add_argument("--max-splits", type=int, default=None, help="split heuristic: most splits (default: the backend's)")
+    p.add_argument("--balance-min-work", type=int, default=None,
+                   help="configs without @balance: fewest KV head-tokens a launch covers to be balanced "
+                        "(default: the backend's, TritonConfig.balance_min_work)")
     p.add_argument("--max-kv-gib", type=float, default=None, help="skip shapes whose K+V exceed this many GiB")
     p.add_argument("--spread", type=float, default=0.0,
                    help="mixed lengths: request i of B holds ctx * (1 - spread * i / (B - 1)) tokens "
@@ -169,12 +174,14 @@ def run_shape(env, args, batch, ctx, hq, hkv, head_dim):
         [1] * batch, lens, num_heads=hq, num_kv_heads=hkv, head_dim=head_dim,
         block_size=args.block_size, dtype=dtype, device=device, seed=batch + ctx + hq)
     qs = [case.q] + [torch.randn_like(case.q) for _ in range(args.query_sets - 1)]
-    out = check_and_time_triton(env, args, case, qs, row)
+    out, ref = check_and_time_triton(env, args, case, qs, row)
+    if env["fa4"] is not None:
+        check_and_time_fa4(env, args, case, qs, row, ref)
     if not args.spread:
         time_contiguous_kernels(env, case, qs, out, row)
     del case, qs, out
     time_copy(env, row)
-    for name in ("triton", "sdpa", "copy"):
+    for name in ("triton", "fa4", "sdpa", "copy"):
         if f"{name}_us" in row:
             row[f"{name}_TBps"] = row["kv_bytes"] / (row[f"{name}_us"] * 1e-6) / 1e12
     row["pct_of_copy"] = 100.0 * row["triton_TBps"] / row["copy_TBps"]
@@ -200,6 +207,8 @@ def check_and_time_triton(env, args, case, qs, row):
     attn, meta, batch = env["attn"], case.meta, len(qs[0])
     configs = [parse_config(c, args.waves) for c in args.configs]
     limits = {} if args.max_splits is None else dict(max_splits=args.max_splits)
+    if args.balance_min_work is not None:
+        limits["balance_min_work"] = args.balance_min_work
     backends = []
     for bn, w, s, waves, balance in configs:
         launch = {} if bn is None else dict(block_n=bn, num_warps=w, num_stages=s)
@@ -249,7 +258,25 @@ def check_and_time_triton(env, args, case, qs, row):
         row["triton_best_graph_us"] = best["graph_us"]
         row["best_config"] = (f"{best['block_n']}:{best['num_warps']}:{best['num_stages']}:{best['waves']}"
                               f"@{best['balance'] or 'auto'}")
-    return out
+    return out, ref
+
+
+def check_and_time_fa4(env, args, case, qs, row, ref):
+    """flash-attn-4 over the same paged cache: checked on the reference's requests, then
+    timed eager and (on CUDA) from graphs; a failure is recorded, not raised."""
+    meta, n_ref = case.meta, row["ref_requests"]
+    backend = env["attn"].get_backend("fa4", env["device"])
+    call = lambda q: backend(q, case.k_cache, case.v_cache, meta, case.scale)
+    try:
+        row["fa4_rel_err"] = rel_err(call(case.q)[:n_ref], ref)
+    except Exception as exc:
+        row["fa4_status"] = f"error: {type(exc).__name__}: {exc}"[:200]
+        return
+    if not row["fa4_rel_err"] < 1e-2:
+        row["fa4_status"] = "WRONG"
+        return
+    row["fa4_eager_us"] = env["timer"](lambda i: call(qs[i % len(qs)]))
+    row["fa4_us"] = graph_time(env, call, qs) if not args.no_graphs else row["fa4_eager_us"]
 
 
 def parse_config(text: str, waves: int):
@@ -319,10 +346,22 @@ def check_small_cases(env, dry_run):
         ref = attn.get_backend("torch")(*case.args())
         err = rel_err(out, ref) if bool(torch.isfinite(out.float()).all()) else float("inf")
         rows.append(dict(case=i, dtype=dt, rel_err=err, ok=err < (1e-4 if dt == "float32" else 1e-2)))
+        if env["fa4"] is not None and dt != "float32":
+            rows.append(check_fa4_case(env, i, dt, case, ref))
     if env["device"].type == "cuda":
         for hq, hkv, d, balance in ((12, 1, 192, None), (8, 1, 128, 2)):
             rows.append(check_graph_replay(env, hq, hkv, d, balance))
     return rows
+
+
+def check_fa4_case(env, i, dt, case, ref):
+    """One small case through ``fa4``: ``ok`` False if wrong, None if FA4 refuses the shape."""
+    try:
+        out = env["attn"].get_backend("fa4", env["device"])(*case.args())
+    except Exception as exc:
+        return dict(case=f"{i} fa4", dtype=dt, ok=None, status=f"refused: {type(exc).__name__}: {exc}"[:200])
+    err = rel_err(out, ref) if bool(env["torch"].isfinite(out.float()).all()) else float("inf")
+    return dict(case=f"{i} fa4", dtype=dt, rel_err=err, ok=err < 1e-2)
 
 
 def check_graph_replay(env, hq, hkv, d, balance):
@@ -337,7 +376,7 @@ def check_graph_replay(env, hq, hkv, d, balance):
                                    poison=False)  # the new lengths read the padding entries
     meta = attn.AttentionMetadata(case.meta.query_start_loc, case.meta.seq_lens.clone(), case.meta.block_table, 1,
                                   bound)  # the grid is sized for the bound, as a captured bucket's is
-    backend = attn.get_backend("triton", env["device"], balance=balance)
+    backend = attn.get_backend("triton", env["device"], balance=balance, balance_min_work=0)  # balanced
     how = env["decode_launch"](8 * hkv, bound, d, env["num_sms"], backend.config, balanced=True)
     q = case.q.clone()
     (graph,), (out,) = capture_graphs(torch, [lambda: backend(q, case.k_cache, case.v_cache, meta, case.scale)])
@@ -382,7 +421,7 @@ def attn_gather(env, cache, block_table, ctx):
 
 
 def fmt_table(rows):
-    extra = [c for c in ("launch", "triton_graph_us", "triton_best_graph_us", "best_config", "flash_us")
+    extra = [c for c in ("launch", "triton_graph_us", "triton_best_graph_us", "best_config", "fa4_us", "flash_us")
              if any(c in r for r in rows)]
     lines = ["  ".join(f"{c:>11}" for c in COLUMNS + extra)]
     for r in rows:
@@ -412,10 +451,13 @@ def setup(args):
         raise SystemExit("no CUDA device; use --dry-run for a CPU check")
     try:
         import flash_attn
+        if not hasattr(flash_attn, "flash_attn_with_kvcache"):  # flash-attn-4 alone: no 2.x API
+            flash_attn = None
     except Exception:
         flash_attn = None
     num_sms = device_num_sms(device)
-    return dict(torch=torch, F=F, attn=attn, paging=paging, testing=testing, device=device, num_sms=num_sms,
+    fa4 = "fa4" if device.type == "cuda" and "fa4" in attn.available_backends(device) else None
+    return dict(fa4=fa4, torch=torch, F=F, attn=attn, paging=paging, testing=testing, device=device, num_sms=num_sms,
                 decode_launch=decode_launch, flash=flash_attn if device.type == "cuda" else None,
                 timer=Timer(torch, device, args.warmup, args.reps, not args.no_flush))
 
@@ -450,9 +492,12 @@ def main(argv=None) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(info, indent=1))
     print(f"\n{info['device']}, {args.dtype}, block={args.block_size}, {info['seconds']:.0f} s")
-    print(f"small cases: {sum(c['ok'] for c in checks)}/{len(checks)} ok")
+    print(f"small cases: {sum(c['ok'] is True for c in checks)}/{len(checks)} ok"
+          + "".join(f"; {c['case']} {c['status']}" for c in checks if c["ok"] is None))
     print(fmt_table(rows), flush=True)
-    return 0 if all(c["ok"] for c in checks) and all(r.get("status") != "WRONG" and not r.get("status", "").startswith("error") for r in rows) else 1
+    wrong = [r for r in rows if r.get("status") == "WRONG" or r.get("status", "").startswith("error")
+             or r.get("fa4_status") == "WRONG"]
+    return 0 if all(c["ok"] is not False for c in checks) and not wrong else 1
 
 
 def cli() -> None:

@@ -200,6 +200,7 @@ def _row(label, ctx, batch, rate, run, predict) -> dict:
                 measured_over_predicted=None if None in (predicted, itl_p50) else itl_p50 / predicted,
                 kv_capacity_tokens=[list(c) for c in run.kv_capacity_tokens],
                 host_ms_per_step=list(run.host_ms_per_step), wait_ms_per_step=list(run.wait_ms_per_step),
+                host_ms_p50_per_step=list(run.host_ms_p50_per_step),
                 outputs=[list(o) for o in run.outputs])
 
 
@@ -224,7 +225,7 @@ def report(rows, out_dir: Path) -> None:
     plot_all(rows, out_dir)
     print(f"{'mode':>9} {'ctx':>6} {'batch':>5} {'rate':>6} {'tok/s':>9} {'waves':>5} "
           f"{'queue_s':>8} {'itl95_ms':>8} {'compl_s':>8} {'resident':>8} {'step_ms':>8} "
-          f"{'roof_ms':>8} {'meas/roof':>9} {'host_ms':>7} {'gpu_wait':>8}")
+          f"{'roof_ms':>8} {'meas/roof':>9} {'host_ms':>7} {'host_p50':>8} {'gpu_wait':>8}")
     for r in rows:
         ratio = r["measured_over_predicted"]
         print(f"{r['mode']:>9} {r['context']:>6} {r['offered_batch']:>5} {str(r['arrival_rate']):>6} "
@@ -233,7 +234,7 @@ def report(rows, out_dir: Path) -> None:
               f"{_num(r['completion_time_s_mean'], '.3f'):>8} {r['resident_batch_mean']:>8.1f} "
               f"{_num(r['step_ms_measured'], '.2f'):>8} {_num(r['step_ms_predicted'], '.2f'):>8} "
               f"{_num(ratio, '.2f'):>9} "
-              f"{_host_ms(r):>7} {_wait_ms(r):>8}")
+              f"{_host_ms(r):>7} {_host_ms(r, 'host_ms_p50_per_step'):>8} {_wait_ms(r):>8}")
     print("tokens agree across modes:", agree, flush=True)
 
 
@@ -242,9 +243,10 @@ def _num(value, fmt: str, scale: float = 1.0) -> str:
     return "n/a" if value is None else format(value * scale, fmt)
 
 
-def _host_ms(r) -> str:
-    """Busiest rank's host work per step (ms); n/a for PP (its loop is per microbatch)."""
-    host = r.get("host_ms_per_step") or []
+def _host_ms(r, key: str = "host_ms_per_step") -> str:
+    """Busiest rank's host work per step (ms: the mean, or with ``key`` the median); n/a
+    for PP (its loop is per microbatch)."""
+    host = r.get(key) or []
     return "n/a" if r["mode"] == "PP" or not host else f"{max(host):.2f}"
 
 
