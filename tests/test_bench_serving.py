@@ -26,6 +26,8 @@ def test_all_modes_one_invocation(tmp_path):
     for r in result["rows"]:
         assert r["completed"] == r["offered_batch"] and r["rejected"] == 0
         assert r["completion_throughput_tok_s"] > 0
+        # every rank of every mode records its host work, PP's per microbatch tick too
+        assert r["host_ms_p50_per_step"] and all(h > 0 for h in r["host_ms_p50_per_step"]), r["mode"]
     for name in ("results.csv", "throughput_vs_batch.png", "latency_ctx24.png", "slo_vs_rate.png"):
         assert (out / name).stat().st_size > 100
     # a run cut short keeps its finished rows; --report-only rebuilds the report from them

@@ -17,7 +17,27 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-__all__ = ["HostCopy", "to_device"]
+__all__ = ["HostCopy", "StaticInputs", "to_device"]
+
+
+def _groups(tensors: Sequence[torch.Tensor]) -> Dict[torch.dtype, List[int]]:
+    """Indices of ``tensors`` by dtype, in order of first appearance."""
+    by_dtype: Dict[torch.dtype, List[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    return by_dtype
+
+
+def _pinned(tensors: Sequence[torch.Tensor], idx: List[int]) -> torch.Tensor:
+    """The tensors ``idx`` (one dtype) back to back in one pinned host buffer."""
+    flat = torch.empty(sum(tensors[i].numel() for i in idx), dtype=tensors[idx[0]].dtype, pin_memory=True)
+    torch.cat([tensors[i].reshape(-1) for i in idx], out=flat)
+    return flat
+
+
+def _views(flat: torch.Tensor, tensors: Sequence[torch.Tensor], idx: List[int], out: list) -> None:
+    for i, piece in zip(idx, flat.split([tensors[i].numel() for i in idx])):
+        out[i] = piece.view(tensors[i].shape)
 
 
 def to_device(tensors: Sequence[torch.Tensor], device: torch.device) -> List[torch.Tensor]:
@@ -27,16 +47,38 @@ def to_device(tensors: Sequence[torch.Tensor], device: torch.device) -> List[tor
     """
     if device.type != "cuda":
         return list(tensors)
-    by_dtype: Dict[torch.dtype, List[int]] = {}
-    for i, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(i)
     out: List[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
-    for idx in by_dtype.values():
-        flat = torch.cat([tensors[i].reshape(-1) for i in idx]).pin_memory()
-        moved = flat.to(device, non_blocking=True)
-        for i, piece in zip(idx, moved.split([tensors[i].numel() for i in idx])):
-            out[i] = piece.view(tensors[i].shape)
+    for idx in _groups(tensors).values():
+        _views(_pinned(tensors, idx).to(device, non_blocking=True), tensors, idx, out)
     return out
+
+
+class StaticInputs:
+    """Fixed device buffers shaped like a list of host tensors, refilled each step with one
+    non-blocking copy per dtype (a CUDA graph's inputs: their addresses never change).
+
+    Args:
+        like: host tensors giving the shapes and dtypes (and the first contents).
+        device: where the buffers live (on CPU the views are the host tensors' copies).
+    """
+
+    def __init__(self, like: Sequence[torch.Tensor], device: torch.device):
+        self._groups = list(_groups(like).values())
+        self._flats = []
+        views: List[torch.Tensor] = [None] * len(like)  # type: ignore[list-item]
+        for idx in self._groups:
+            flat = torch.cat([like[i].reshape(-1) for i in idx]).to(device)
+            self._flats.append(flat)
+            _views(flat, like, idx, views)
+        self.views = views
+
+    def copy_(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Refill from host ``tensors`` of the same shapes and dtypes (stream-ordered)."""
+        for idx, flat in zip(self._groups, self._flats):
+            if flat.device.type == "cuda":
+                flat.copy_(_pinned(tensors, idx), non_blocking=True)
+            else:
+                torch.cat([tensors[i].reshape(-1) for i in idx], out=flat)
 
 
 class HostCopy:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from tknp_megatron.engine.request import Request
@@ -132,8 +133,10 @@ _SAMPLING_SOURCES = tuple(  # the column behind each SamplingTensors field, in i
 
 
 def take_rows(values: torch.Tensor, index: torch.Tensor, pad) -> torch.Tensor:
-    """``values[index]``, where index -1 gives ``pad``."""
-    return torch.cat((values, values.new_full((1,), pad)))[index]
+    """``values[index]``, where index -1 gives ``pad`` (host tensors; in numpy, as a step's
+    padding runs on every step's critical path)."""
+    v = values.numpy()
+    return torch.from_numpy(np.append(v, np.asarray(pad, dtype=v.dtype))[index.numpy()])
 
 
 @dataclass(frozen=True)

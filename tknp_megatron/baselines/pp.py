@@ -21,6 +21,7 @@ graph's buffers and sends the real rows of its output on.
 from __future__ import annotations
 
 import pickle
+import time
 from typing import Dict, List, Optional
 
 import torch
@@ -34,7 +35,7 @@ from tknp_megatron.executor.dense import finish_layer, qkv_projection, vocab_log
 from tknp_megatron.executor.ingest import Admitter, KVSlice
 from tknp_megatron.executor.owner_attention import OwnerAttention
 from tknp_megatron.executor.rope import Rope
-from tknp_megatron.executor.step_inputs import pad_plan, prepare_inputs
+from tknp_megatron.executor.step_inputs import GraphStep, host_inputs, pad_plan, prepare_inputs
 from tknp_megatron.executor.tknp import draw_tokens
 from tknp_megatron.models.precision import dense_autocast
 from tknp_megatron.sampling import pack_log_probs, token_log_probs, unpack_log_probs
@@ -208,19 +209,19 @@ class PPExecutor:
         index of each real request in the padded batch)``; ``hidden`` is the previous
         stage's real rows (None: zeros, as the captures at start-up run)."""
         padded, index = pad_plan(plan, self.kv.dummy_slot)
-        inp = prepare_inputs(padded, 0, self.kv, self.rope, self.device, max_seq_len)
+        inp = GraphStep(host_inputs(padded, 0), max_seq_len)
         buf = None
         if self.stage > 0:
             buf = torch.zeros(padded.num_rows, 1, self.hidden_size, dtype=self.dtype, device=self.device)
             if hidden is not None:  # one owner: the real requests are the padded batch's first rows
                 buf[: hidden.shape[0]].copy_(hidden)
-        return inp.shape, (inp, buf), index
+        return inp.key, (inp, buf), index
 
     def graph_forward(self, inputs) -> torch.Tensor:
         """The captured body: the padded hidden ``[rows, 1, D]``, or on the last stage the
         padded tokens ``[rows]``."""
-        inp, hidden = inputs
-        out = self._forward(inp, hidden)
+        step, hidden = inputs
+        out = self._forward(step.inputs(self.kv, self.rope, None), hidden)
         return out if self.stage < self.num_stages - 1 else out[0]
 
 
@@ -267,16 +268,22 @@ class PPInferenceEngine(InferenceEngine):
     def _lead(self) -> List[int]:
         """One tick: book microbatch m's tokens if its step is in flight, then plan and
         issue its next step; the next tick serves microbatch m + 1."""
+        timing = self.loop_timing
+        start, waited = time.perf_counter(), timing.wait_s
         m = self._cursor
         self._cursor = (m + 1) % self.num_microbatches
         finished = []
         if self._awaiting[m] is not None:
             plan, self._awaiting[m] = self._awaiting[m], None
-            finished = self._book_keep(plan, self.executor.receive_tokens(plan))
+            received = time.perf_counter()
+            out = self.executor.receive_tokens(plan)  # the last stage's send (gloo: blocking)
+            timing.wait_s += time.perf_counter() - received
+            finished = self._book_keep(plan, out)
         plan = self._plan_for(m)
         if plan is not None:
             self._issue(plan)
             self._awaiting[m] = plan if plan.num_requests else None
+        timing.add(time.perf_counter() - start - (timing.wait_s - waited))  # one microbatch's tick
         return finished
 
     def _plan_for(self, m: int) -> Optional[StepPlan]:
@@ -315,6 +322,7 @@ class PPInferenceEngine(InferenceEngine):
     def _follow(self) -> bool:
         """One plan on a rank other than the coordinator: stage 0's other TP ranks take it
         from the coordinator, later stages from the previous stage; False on the stop plan."""
+        start = time.perf_counter()
         if self.groups.node == 0:
             box = [None]
             dist.broadcast_object_list(box, src=self.groups.coordinator_rank, group=self.groups.tp_group)
@@ -324,5 +332,7 @@ class PPInferenceEngine(InferenceEngine):
         if plan.stop:
             self.executor.stop(plan)
             return False
+        received = time.perf_counter()
         self.executor.execute(plan)
+        self.loop_timing.add(time.perf_counter() - received, received - start)
         return True

@@ -341,8 +341,11 @@ class InferenceEngine(abc.ABC):
     # ---------------------------------------------------------------- helpers
     def _broadcast(self, box: list) -> None:
         """Broadcast picklable objects from the coordinator to the pool, host to host
-        (gloo): no rank waits for its GPU to receive a plan."""
-        dist.broadcast_object_list(box, src=self.groups.coordinator_rank, group=self.groups.pool_cpu_group)
+        (gloo): no rank waits for its GPU to receive a plan. A pool of one rank (a DP
+        replica) has no one to tell: pickling a plan for itself cost it about 1 ms a step."""
+        group = self.groups.pool_cpu_group
+        if dist.get_world_size(group) > 1:
+            dist.broadcast_object_list(box, src=self.groups.coordinator_rank, group=group)
 
     def _require_coordinator(self, what: str) -> None:
         if not self.groups.is_coordinator:

@@ -65,18 +65,23 @@ class DecodeGraphs:
         """
         ex = self.ex
         key, inputs, index = ex.graph_inputs(plan, carry, self.max_seq_len)
-        (index,) = to_device((index,), ex.device)
+        n = index.numel()
+        prefix = n == 0 or int(index[-1]) == n - 1  # one owner: the real rows come first
+        if not prefix:
+            (index,) = to_device((index,), ex.device)
         self.replays += 1
         if not self.capture:
-            return ex.graph_forward(inputs).index_select(0, index)
-        entry = self.captured.get(key)
-        if entry is None:
-            entry = self._capture(inputs)
-            self.captured[key] = entry
+            out = ex.graph_forward(_stage(inputs, ex.device))
         else:
-            _copy_inputs(entry.inputs, inputs)
-        entry.graph.replay()
-        return entry.tokens.index_select(0, index)
+            entry = self.captured.get(key)
+            if entry is None:
+                entry = self._capture(_stage(inputs, ex.device))
+                self.captured[key] = entry
+            else:
+                _copy_inputs(entry.inputs, inputs)
+            entry.graph.replay()
+            out = entry.tokens
+        return out[:n] if prefix else out.index_select(0, index)
 
     def capture_buckets(self, max_requests_per_owner: int) -> int:
         """Capture the decode step of every bucket up to ``max_requests_per_owner`` requests
@@ -101,9 +106,9 @@ class DecodeGraphs:
                 if key in self.captured:
                     continue
                 if self.capture:
-                    self.captured[key] = self._capture(inputs)
+                    self.captured[key] = self._capture(_stage(inputs, ex.device))
                 else:
-                    ex.graph_forward(inputs)
+                    ex.graph_forward(_stage(inputs, ex.device))
                 done += 1
         return done
 
@@ -129,9 +134,20 @@ def _sampling(plan: StepPlan) -> StepPlan:
         cols, temperature=torch.ones_like(cols.temperature)))
 
 
+def _stage(inputs, device: torch.device):
+    """What a graph captures from an executor's inputs: host inputs with a ``stage``
+    (:class:`~tknp_megatron.executor.step_inputs.GraphStep`) moved into fixed device
+    buffers, device tensors and inputs already on the device as they are; tuples entry
+    by entry."""
+    if isinstance(inputs, tuple):
+        return tuple(_stage(i, device) for i in inputs)
+    return inputs.stage(device) if hasattr(inputs, "stage") else inputs
+
+
 def _copy_inputs(dst, src) -> None:
     """Fill captured (static) inputs from a new step's: one inputs object with a ``copy_``
-    (StepInputs, DCP's DCPStepInputs, a tensor) or a tuple of them (None entries skipped)."""
+    (GraphStep, StepInputs, DCP's DCPStepInputs, a tensor) or a tuple of them (None
+    entries skipped)."""
     if not isinstance(dst, tuple):
         dst.copy_(src)
         return

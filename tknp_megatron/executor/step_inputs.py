@@ -13,18 +13,20 @@ import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Tuple
 
+import numpy as np
 import torch
 
 from tknp_megatron.attention import AttentionMetadata
 from tknp_megatron.executor.rope import Rope
-from tknp_megatron.host_to_device import to_device
+from tknp_megatron.host_to_device import StaticInputs, to_device
 from tknp_megatron.kv_cache import PagedKVCache
 from tknp_megatron.plan import StepPlan, take_rows
 from tknp_megatron.sampling import SamplingTensors
 
 __all__ = [
-    "RowLayout", "StepInputs", "StepShape", "bucket", "pad_plan", "plan_sampling", "prepare_inputs",
-    "row_layout", "step_tokens",
+    "GraphStep", "HostInputs", "RowLayout", "StepHost", "StepInputs", "StepShape", "bucket",
+    "device_inputs", "host_inputs", "pad_plan", "plan_sampling", "prepare_inputs", "row_layout",
+    "step_tokens",
 ]
 
 
@@ -90,15 +92,130 @@ class RowLayout(NamedTuple):
 def row_layout(q_lens: torch.Tensor, start_pos: torch.Tensor, rows: int) -> RowLayout:
     """The rows of requests fed ``q_lens`` ``[R]`` tokens from ``start_pos`` ``[R]`` on
     (``rows = sum(q_lens)``)."""
-    cu = torch.zeros(q_lens.numel() + 1, dtype=torch.int64)
-    torch.cumsum(q_lens, 0, out=cu[1:])
-    steps = torch.arange(rows)
-    # row r belongs to the request whose rows end first after r (requests of no rows skipped);
-    # a search, not repeat_interleave: its output_size path took 0.56 ms a step on the GPU
-    # machine's host (benchmarks/RESULTS.md, "Host work per decode step")
-    row_req = torch.searchsorted(cu[1:], steps, right=True)
-    positions = start_pos[row_req] + steps - cu[row_req]
-    return RowLayout(cu, row_req, positions)
+    return RowLayout(*map(torch.from_numpy, _row_layout(q_lens.numpy(), start_pos.numpy(), rows)))
+
+
+def _row_layout(q_lens: np.ndarray, start_pos: np.ndarray, rows: int):
+    """:func:`row_layout` over numpy arrays."""
+    cu = np.zeros(q_lens.size + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=cu[1:])
+    steps = np.arange(rows)
+    # row r belongs to the request whose rows end first after r (requests of no rows skipped)
+    row_req = np.searchsorted(cu[1:], steps, side="right")
+    return cu, row_req, start_pos[row_req] + steps - cu[row_req]
+
+
+class StepHost(NamedTuple):
+    """One rank's step inputs as they cross to the device: small host tensors, int64 but
+    for the two float32 sampling knobs, so the crossing is two copies
+    (:func:`~tknp_megatron.host_to_device.to_device`, or into a graph's
+    :class:`~tknp_megatron.host_to_device.StaticInputs`). :func:`device_inputs` derives
+    the rest (block tables, cache slots, RoPE angles) on the device.
+
+    ``R``, ``own_rows``: this node's requests and rows; ``R_all``, ``rows``: the plan's.
+    """
+
+    query_start_loc: torch.Tensor
+    """``[R + 1]`` first row of each of this node's requests, then their row count."""
+    seq_lens: torch.Tensor
+    """``[R]`` context length including this step's tokens."""
+    slots: torch.Tensor
+    """``[R]`` block-table row of each request."""
+    row_slots: torch.Tensor
+    """``[own_rows]`` block-table row of each row's request."""
+    positions: torch.Tensor
+    """``[own_rows]`` sequence position of each row."""
+    last_rows: torch.Tensor
+    """``[R_all]`` row of each request's sampled token."""
+    tokens: torch.Tensor
+    """``[rows]`` input ids."""
+    prev_index: torch.Tensor
+    """``[rows]`` index into the previous step's tokens of a row's input, -1: ``tokens``'."""
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    seeds: torch.Tensor
+    request_ids: torch.Tensor
+    steps: torch.Tensor
+
+    @property
+    def sampling(self) -> SamplingTensors:
+        """The ``[R_all]`` sampling tensors (in :class:`SamplingTensors`' order)."""
+        return SamplingTensors(self.temperature, self.top_k, self.top_p, self.seeds,
+                               self.request_ids, self.steps)
+
+
+@dataclass(frozen=True)
+class HostInputs:
+    """What :func:`host_inputs` derives from a plan for one rank.
+
+    Attributes:
+        shape: the step's layout and sampling mode.
+        tensors: the host tensors (:class:`StepHost`).
+        max_query_len: most rows of one of this node's requests (1: pure decode).
+        max_seq_len: longest context of this node's requests (a grid bound).
+        feeds_previous: some row takes the previous step's token (``prev_index >= 0``).
+    """
+
+    shape: StepShape
+    tensors: StepHost
+    max_query_len: int
+    max_seq_len: int
+    feeds_previous: bool
+
+
+def host_inputs(plan: StepPlan, node: int) -> HostInputs:
+    """Node ``node``'s :class:`HostInputs` of ``plan``: host arithmetic only (numpy over
+    the plan's columns: a step's dozen small vectors cost microseconds, not a torch
+    dispatch each)."""
+    lo, hi = plan.request_range(node)
+    cols = plan.per_request
+    q_all = cols.q_lens.numpy()
+    q_lens, start = q_all[lo:hi], cols.start_pos.numpy()[lo:hi]
+    cu, row_req, positions = _row_layout(q_lens, start, plan.rows_per_owner[node])
+    slots = cols.slots.numpy()[lo:hi]
+    seq_lens = start + q_lens
+    prev = plan.prev_token_index
+    prev = np.full(plan.num_rows, -1, dtype=np.int64) if prev is None else prev.numpy()
+    temperature = cols.temperature.numpy()
+    host = StepHost(*(torch.from_numpy(np.ascontiguousarray(a)) for a in (
+        cu, seq_lens, slots, slots[row_req], positions, np.cumsum(q_all) - 1, plan.tokens.numpy(), prev,
+        temperature, cols.top_k.numpy(), cols.top_p.numpy(), cols.seeds.numpy(),
+        cols.request_ids.numpy(), cols.sample_steps.numpy())))
+    return HostInputs(
+        shape=StepShape(plan.rows_per_owner, plan.requests_per_owner, bool((temperature == 0).all())),
+        tensors=host,
+        max_query_len=int(q_lens.max()) if hi > lo else 0,
+        max_seq_len=int(seq_lens.max()) if hi > lo else 0,
+        feeds_previous=plan.prev_token_index is not None,
+    )
+
+
+def device_inputs(shape: StepShape, dev: StepHost, kv: PagedKVCache, rope: Rope, max_query_len: int,
+                  max_seq_len: int, last_tokens: Optional[torch.Tensor] = None) -> StepInputs:
+    """:class:`StepInputs` from :class:`StepHost` tensors on the device: device work only
+    (no host sync), so a graph's captured body can begin with it.
+
+    ``last_tokens`` ``[R_prev]`` (None: no row takes a previous token): the previous
+    step's sampled tokens, which rows with ``prev_index >= 0`` take as their input.
+    """
+    tokens = dev.tokens if last_tokens is None else _feed_previous(dev.tokens, dev.prev_index, last_tokens)
+    meta = AttentionMetadata(
+        query_start_loc=dev.query_start_loc.to(torch.int32),
+        seq_lens=dev.seq_lens.to(torch.int32),
+        block_table=kv.block_table[dev.slots],
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+    )
+    return StepInputs(
+        shape=shape,
+        tokens=tokens,
+        slot_mapping=kv.slot_mapping(dev.row_slots, dev.positions),
+        freqs=rope.freqs(dev.positions),
+        meta=meta,
+        last_rows=dev.last_rows,
+        sampling=dev.sampling,
+    )
 
 
 def prepare_inputs(
@@ -110,47 +227,58 @@ def prepare_inputs(
     max_seq_len: int = 0,
     last_tokens: Optional[torch.Tensor] = None,
 ) -> StepInputs:
-    """Build this rank's :class:`StepInputs`: host arithmetic, then one non-blocking copy
-    per dtype to the device (no host sync, so it can run while the previous step does).
+    """Build this rank's :class:`StepInputs`: :func:`host_inputs`, two non-blocking
+    copies to the device, :func:`device_inputs` (no host sync, so it can run while the
+    previous step does).
 
     ``max_seq_len`` overrides the attention grid bound (graphs capture with the cache's
     longest sequence so any later length fits). ``last_tokens`` ``[R_prev]`` are the
     previous step's sampled tokens on the device, which rows with a
     ``plan.prev_token_index`` take as their input.
     """
-    lo, hi = plan.request_range(node)
-    cols = plan.per_request
-    q_lens, start = cols.q_lens[lo:hi], cols.start_pos[lo:hi]
-    cu, row_req, positions = row_layout(q_lens, start, plan.rows_per_owner[node])
-    slots = cols.slots[lo:hi]
-    seq_lens = start + q_lens
-    bound = int(seq_lens.max()) if hi > lo else 0
-    host = (
-        cu.to(torch.int32), seq_lens.to(torch.int32), slots, slots[row_req], positions,
-        torch.cumsum(cols.q_lens, 0) - 1, plan.tokens, *_prev_index(plan), *cols.sampling(),
-    )
-    cu, seq_lens, slots, row_slots, positions, last_rows, tokens, *rest = to_device(host, device)
-    if plan.prev_token_index is not None:
-        tokens = _feed_previous(tokens, rest.pop(0), last_tokens)
-    meta = AttentionMetadata(
-        query_start_loc=cu,
-        seq_lens=seq_lens,
-        block_table=kv.block_table[slots],
-        max_query_len=int(q_lens.max()) if hi > lo else 0,
-        max_seq_len=max(bound, max_seq_len),
-    )
-    shape = StepShape(
-        plan.rows_per_owner, plan.requests_per_owner, bool((cols.temperature == 0).all())
-    )
-    return StepInputs(
-        shape=shape,
-        tokens=tokens,
-        slot_mapping=kv.slot_mapping(row_slots, positions),
-        freqs=rope.freqs(positions),
-        meta=meta,
-        last_rows=last_rows,
-        sampling=SamplingTensors(*rest),
-    )
+    host = host_inputs(plan, node)
+    if host.feeds_previous and last_tokens is None:
+        raise RuntimeError("the plan feeds tokens of a previous step this rank has not run")
+    dev = StepHost(*to_device(host.tensors, device))
+    return device_inputs(host.shape, dev, kv, rope, host.max_query_len, max(host.max_seq_len, max_seq_len),
+                         last_tokens if host.feeds_previous else None)
+
+
+class GraphStep:
+    """A decode step's inputs for a CUDA graph (:mod:`~tknp_megatron.executor.cuda_graphs`):
+    the :class:`StepHost` tensors of a padded plan, crossing into fixed device buffers.
+
+    :meth:`stage` gives the captured buffers; :meth:`copy_` refills them from a later
+    step's host tensors of the same layout; :meth:`inputs` is what the captured body
+    derives from them. The previous step's tokens enter through ``last``, a fixed
+    ``[max_requests]`` device buffer that the executor fills before each replay.
+
+    Args:
+        host: the padded plan's host inputs.
+        max_seq_len: the grid bound the graph is captured with (the cache's longest sequence).
+    """
+
+    def __init__(self, host: HostInputs, max_seq_len: int, static: Optional[StaticInputs] = None):
+        self.host, self.max_seq_len, self.static = host, max_seq_len, static
+
+    @property
+    def key(self) -> StepShape:
+        return self.host.shape
+
+    def stage(self, device: torch.device) -> "GraphStep":
+        """A copy whose tensors live in fixed device buffers (what a graph captures)."""
+        return GraphStep(self.host, self.max_seq_len, StaticInputs(self.host.tensors, device))
+
+    def copy_(self, other: "GraphStep") -> None:
+        """Refill the staged buffers from ``other``'s host tensors (same layout)."""
+        if other.key != self.key:
+            raise ValueError(f"graph inputs of another layout: {other.key}, not {self.key}")
+        self.static.copy_(other.host.tensors)
+
+    def inputs(self, kv: PagedKVCache, rope: Rope, last: Optional[torch.Tensor]) -> StepInputs:
+        """The staged step's :class:`StepInputs` (device work: the captured body's first part)."""
+        dev = StepHost(*self.static.views)
+        return device_inputs(self.key, dev, kv, rope, 1, self.max_seq_len, last)
 
 
 def _prev_index(plan: StepPlan) -> Tuple[torch.Tensor, ...]:
@@ -206,10 +334,10 @@ def pad_plan(plan: StepPlan, dummy_slot: int, size: Optional[int] = None) -> Tup
     elif size < max(counts):
         raise ValueError(f"pad_plan: size {size} below the busiest owner's {max(counts)} requests")
     padded = (size,) * len(counts)
-    n = torch.tensor(counts, dtype=torch.int64).unsqueeze(1)  # [N, 1]
-    k = torch.arange(size)
+    n = np.asarray(counts, dtype=np.int64)[:, None]  # [N, 1]
+    k = np.arange(size)
     real = k < n  # [N, size]: which padded entries hold a real request
-    take = torch.where(real, torch.cumsum(n, 0) - n + k, -1).flatten()  # -1: a dummy
+    take = torch.from_numpy(np.where(real, np.cumsum(n, 0) - n + k, -1).ravel())  # -1: a dummy
     prev = plan.prev_token_index
     new = dataclasses.replace(
         plan, requests_per_owner=padded, rows_per_owner=padded, admissions=(),
@@ -217,4 +345,4 @@ def pad_plan(plan: StepPlan, dummy_slot: int, size: Optional[int] = None) -> Tup
         tokens=take_rows(plan.tokens, take, 0),  # one row per request: rows pad alike
         prev_token_index=None if prev is None else take_rows(prev, take, -1),
     )
-    return new, real.flatten().nonzero().flatten()
+    return new, torch.from_numpy(np.flatnonzero(real))

@@ -28,7 +28,7 @@ from tknp_megatron.executor.dense import finish_layer, qkv_projection, vocab_log
 from tknp_megatron.executor.ingest import Admitter, KVIngest, KVSlice
 from tknp_megatron.executor.owner_attention import OwnerAttention
 from tknp_megatron.executor.rope import Rope
-from tknp_megatron.executor.step_inputs import StepInputs, pad_plan, prepare_inputs
+from tknp_megatron.executor.step_inputs import GraphStep, StepInputs, host_inputs, pad_plan, prepare_inputs
 from tknp_megatron.kv_cache import PagedKVCache
 from tknp_megatron.models.model import StageModel
 from tknp_megatron.models.precision import dense_autocast
@@ -94,6 +94,8 @@ class TKNPExecutor:
         self.graphs = None  # set by enable_cuda_graphs
         self.plan_owners = groups.num_nodes  # a plan's owners: every node
         self.last_tokens: Optional[torch.Tensor] = None  # [R] previous step's tokens (device)
+        self.max_plan_requests = groups.num_nodes * kv.spec.max_slots  # most requests a plan has
+        self.graph_last: Optional[torch.Tensor] = None  # graphs: the previous step's tokens, fixed
 
     def enable_cuda_graphs(self, max_requests_per_owner: int = 0) -> None:
         """Replay pure-decode steps from CUDA graphs (per ownership-layout bucket); with
@@ -147,15 +149,20 @@ class TKNPExecutor:
 
     # ---------------------------------------------------------------- graphs
     def graph_inputs(self, plan: StepPlan, last_tokens, max_seq_len: int):
-        """For :class:`~tknp_megatron.executor.cuda_graphs.DecodeGraphs`: ``(layout key, inputs of the
-        padded plan, [R] index of each real request in the padded batch)``."""
+        """For :class:`~tknp_megatron.executor.cuda_graphs.DecodeGraphs`: ``(layout key, host
+        inputs of the padded plan, [R] index of each real request in the padded batch)``.
+        The previous step's tokens go to the fixed buffer the captured body reads."""
         padded, index = pad_plan(plan, self.kv.dummy_slot)
-        inputs = prepare_inputs(padded, self.node, self.kv, self.rope, self.device, max_seq_len, last_tokens)
-        return inputs.shape, inputs, index
+        step = GraphStep(host_inputs(padded, self.node), max_seq_len)
+        if self.graph_last is None:
+            self.graph_last = torch.zeros(self.max_plan_requests, dtype=torch.int64, device=self.device)
+        if last_tokens is not None:
+            self.graph_last[: last_tokens.shape[0]].copy_(last_tokens)
+        return step.key, step, index
 
-    def graph_forward(self, inputs: StepInputs) -> torch.Tensor:
-        """The captured body: ``[R_padded]`` tokens."""
-        return self.forward(inputs).tokens
+    def graph_forward(self, step: GraphStep) -> torch.Tensor:
+        """The captured body: the step's device inputs, the layers and sampling; ``[R_padded]`` tokens."""
+        return self.forward(step.inputs(self.kv, self.rope, self.graph_last)).tokens
 
     # ---------------------------------------------------------------- owner side
     def apply_admissions(self, admissions: Sequence[Admission]) -> None:

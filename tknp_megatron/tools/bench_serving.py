@@ -244,16 +244,16 @@ def _num(value, fmt: str, scale: float = 1.0) -> str:
 
 
 def _host_ms(r, key: str = "host_ms_per_step") -> str:
-    """Busiest rank's host work per step (ms: the mean, or with ``key`` the median); n/a
-    for PP (its loop is per microbatch)."""
+    """Busiest rank's host work per step (ms: the mean, or with ``key`` the median; for
+    PP per microbatch step, its loop's tick)."""
     host = r.get(key) or []
-    return "n/a" if r["mode"] == "PP" or not host else f"{max(host):.2f}"
+    return "n/a" if not host else f"{max(host):.2f}"
 
 
 def _wait_ms(r) -> str:
     """Rank 0 (a coordinator) waiting for step tokens, per step (ms)."""
     wait = r.get("wait_ms_per_step") or []
-    return "n/a" if r["mode"] == "PP" or not wait else f"{wait[0]:.2f}"
+    return "n/a" if not wait else f"{wait[0]:.2f}"
 
 
 def plot_all(rows, out_dir: Path) -> None:
