@@ -52,3 +52,21 @@ def test_pending_tokens_skip_the_cached_prompt():
     assert pending == [7]
     req.num_cached = 32760  # mid-prefill: the rest of the prompt, then the generated tokens
     assert req.pending_tokens() == list(range(32760, 32768)) + [5, 6, 7]
+
+
+def test_traces_over_the_models_length_are_refused_in_one_line(capsys):
+    """A context the model cannot hold is refused before any process starts, not served
+    as a run in which every request is rejected."""
+    import pytest
+
+    from tknp_megatron.tools.bench_serving import parse_args
+
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--model", "tiny", "--contexts", "2048", "900", "--batches", "4", "--output-len", "100"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--contexts 2048 with --output-len 100: requests of 2148 tokens, over tiny's " \
+           "max_sequence_length 1024" in err and "900" not in err
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "no-such-model", "--contexts", "64", "--batches", "2"])
+    assert "unknown model preset 'no-such-model'" in capsys.readouterr().err

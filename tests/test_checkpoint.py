@@ -84,10 +84,22 @@ def world4_worker(rank, world, ckpt_dir, big_dir):
     return tknp if rank == 0 else None
 
 
-def memory_worker(rank, world, big_dir):
-    """Fresh N=4 pool: RSS growth while loading vs the rank's own parameter bytes."""
-    warnings.simplefilter("ignore")
+def _anonymous_rss() -> int:
+    """This process's resident anonymous memory (tensors, the heap), without the shared
+    libraries' pages: a pool worker forked from a preloaded server faults those in as it
+    first runs a code path, which is not memory the load allocates."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
     import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def memory_worker(rank, world, big_dir):
+    """Fresh N=4 pool: resident memory growth while loading vs the rank's own parameter bytes."""
+    warnings.simplefilter("ignore")
 
     import parallel_state as ps
     from tknp_megatron.engine.factory import (
@@ -105,14 +117,13 @@ def memory_worker(rank, world, big_dir):
     model = build_model(Mode.TKNP, preset, placement, groups, torch.float32, torch.device("cpu"),
                         padded_vocab=vocab)
     own = sum(p.numel() * p.element_size() for p in model.parameters())
-    proc = psutil.Process()
-    base = peak = proc.memory_info().rss
+    base = peak = _anonymous_rss()
     done = threading.Event()
 
     def sample():
         nonlocal peak
         while not done.is_set():
-            peak = max(peak, proc.memory_info().rss)
+            peak = max(peak, _anonymous_rss())
             time.sleep(0.001)
 
     sampler = threading.Thread(target=sample)
@@ -120,7 +131,7 @@ def memory_worker(rank, world, big_dir):
     load_weights(model, preset, big_dir)
     done.set()
     sampler.join()
-    peak = max(peak, proc.memory_info().rss)
+    peak = max(peak, _anonymous_rss())
     finite = all(torch.isfinite(p).all() for p in model.parameters())
     ps.destroy_model_parallel()
     return dict(own=own, growth=peak - base, finite=finite, vocab=vocab)

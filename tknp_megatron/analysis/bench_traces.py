@@ -57,6 +57,23 @@ def traces(args) -> Iterator[Tuple[int, int, Optional[float], wl.Workload]]:
             yield 0, args.mixed_requests, float("inf"), wl.as_burst(base)
 
 
+def trace_problems(args) -> List[str]:
+    """One line per trace whose longest request (prompt + output tokens) is over the model's
+    ``max_sequence_length`` (every such request would be refused: none would be served)."""
+    try:
+        limit = get_preset(args.model).gpt.max_sequence_length
+    except ValueError as err:  # an unknown preset, named with the known ones
+        return [f"--model: {err}"]
+    out = []
+    for ctx, batch, rate, trace in traces(args):
+        longest = max((r.prompt_len + r.output_len for r in trace.requests), default=0)
+        if longest > limit:
+            name = f"--contexts {ctx} with --output-len {args.output_len}" if ctx else "the mixed-length trace"
+            out.append(f"{name}: requests of {longest} tokens, over {args.model}'s max_sequence_length "
+                       f"{limit}")
+    return sorted(set(out), key=out.index)
+
+
 def mode_runs(args) -> List[Tuple[str, str, ModelPreset]]:
     """``(label, mode, preset)`` for every requested mode (``dcp`` adds ``tknp-mqa``)."""
     preset = get_preset(args.model)

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tknp_megatron.analysis.bench_traces import add_trace_flags, mode_runs, traces  # noqa: E402
+from tknp_megatron.analysis.bench_traces import add_trace_flags, mode_runs, trace_problems, traces  # noqa: E402
 from tknp_megatron.config import dtype_from_name  # noqa: E402
 from tknp_megatron.launch import run_ranks  # noqa: E402
 from tknp_megatron.mode import Mode  # noqa: E402
@@ -64,6 +64,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     problems = dense_format(args).problems(args.device)
+    if not args.report_only:
+        problems += trace_problems(args)
     if args.fp8_recipe is not None and "dcp" in args.modes:
         problems.append("--fp8-recipe with --modes dcp: DCP's head-structured QKV layer has no FP8 path; "
                         "leave dcp out of --modes")
