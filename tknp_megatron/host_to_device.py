@@ -77,7 +77,7 @@ class StaticInputs:
         for idx, flat in zip(self._groups, self._flats):
             if flat.device.type == "cuda":
                 flat.copy_(_pinned(tensors, idx), non_blocking=True)
-            else:
+            else:  # the same packing, straight into the buffer
                 torch.cat([tensors[i].reshape(-1) for i in idx], out=flat)
 
 

@@ -65,13 +65,13 @@ def trace_problems(args) -> List[str]:
     except ValueError as err:  # an unknown preset, named with the known ones
         return [f"--model: {err}"]
     out = []
-    for ctx, batch, rate, trace in traces(args):
+    for ctx, _, _, trace in traces(args):
         longest = max((r.prompt_len + r.output_len for r in trace.requests), default=0)
         if longest > limit:
             name = f"--contexts {ctx} with --output-len {args.output_len}" if ctx else "the mixed-length trace"
             out.append(f"{name}: requests of {longest} tokens, over {args.model}'s max_sequence_length "
                        f"{limit}")
-    return sorted(set(out), key=out.index)
+    return list(dict.fromkeys(out))  # one line per context, whatever its batches
 
 
 def mode_runs(args) -> List[Tuple[str, str, ModelPreset]]:

@@ -94,7 +94,6 @@ class TKNPExecutor:
         self.graphs = None  # set by enable_cuda_graphs
         self.plan_owners = groups.num_nodes  # a plan's owners: every node
         self.last_tokens: Optional[torch.Tensor] = None  # [R] previous step's tokens (device)
-        self.max_plan_requests = groups.num_nodes * kv.spec.max_slots  # most requests a plan has
         self.graph_last: Optional[torch.Tensor] = None  # graphs: the previous step's tokens, fixed
 
     def enable_cuda_graphs(self, max_requests_per_owner: int = 0) -> None:
@@ -108,6 +107,8 @@ class TKNPExecutor:
         from tknp_megatron.executor.cuda_graphs import DecodeGraphs
 
         self.graphs = DecodeGraphs(self, capture=self.device.type == "cuda")
+        most = self.groups.num_nodes * self.kv.spec.max_slots  # requests a plan can hold
+        self.graph_last = torch.zeros(most, dtype=torch.int64, device=self.device)
         if max_requests_per_owner and self.graphs.capture:
             self.graphs.capture_buckets(max_requests_per_owner)
 
@@ -154,8 +155,6 @@ class TKNPExecutor:
         The previous step's tokens go to the fixed buffer the captured body reads."""
         padded, index = pad_plan(plan, self.kv.dummy_slot)
         step = GraphStep(host_inputs(padded, self.node), max_seq_len)
-        if self.graph_last is None:
-            self.graph_last = torch.zeros(self.max_plan_requests, dtype=torch.int64, device=self.device)
         if last_tokens is not None:
             self.graph_last[: last_tokens.shape[0]].copy_(last_tokens)
         return step.key, step, index
