@@ -83,6 +83,9 @@ def dcp_worker(rank, world, cases: Sequence[DCPCase], scenarios: Sequence[Scenar
                 assert engine.executor.graphs.capture_buckets(CAPTURED_AHEAD) > 0
             qkv = engine.executor.model.layer(0).self_attention.linear_qkv.weight.detach().clone()
             out[(case.name, "qkv")] = qkv
+            # a layer rebuilt from the model's spec (what FP8 storage does) is DCP's again
+            rebuilt = engine.executor.model.decoder.build_layer(0).self_attention.linear_qkv
+            out[(case.name, "rebuilt")] = (type(rebuilt).__name__, tuple(rebuilt.weight.shape))
             out[(case.name, "dcp")] = (engine.dcp.degree, engine.dcp.shard, engine.dcp.kv_head)
             out[(case.name, s.name)] = run_scenario(engine, s, None)
             out[(case.name, s.name, "kv")] = _cache_summary(engine)

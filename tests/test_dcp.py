@@ -296,3 +296,5 @@ def test_qkv_rows_are_megatrons(dcp, dcp_reference, case):
         h = per_group // degree
         expected = torch.cat([mixed[g, shard * h : (shard + 1) * h], mixed[g, per_group:]])
         torch.testing.assert_close(local, expected.reshape(-1, full.shape[1]), atol=0, rtol=0)
+        # the layer spec's QKV is DCP's: a layer rebuilt from it (FP8 storage) holds these rows
+        assert dcp[(case.name, "rebuilt")][rank] == ("DCPQKVLinear", tuple(local.shape))

@@ -152,7 +152,8 @@ def test_server_with_a_pool_on_each_host(tmp_path):
 
         with ThreadPoolExecutor(16) as pool:
             replies = list(pool.map(ask, prompts))
-        assert [r.status_code for r in replies] == [200] * 16, [r.text for r in replies]
+        failed = [r.text for r in replies if r.status_code != 200]
+        assert not failed, "\n".join(failed[:2] + hosts.lines[-80:])  # the servers' own log says why
         served = [tuple(_tokens(r.json()["choices"][0])) for r in replies]
         offline, _ = spawn(offline_worker, 2, (prompts, []), timeout_s=TIMEOUT_S)[0]
         assert served == [tuple(t) for t in offline] and all(served)

@@ -55,3 +55,41 @@ def test_a_plan_survives_pickling(microbatches, inflight):
 @pytest.mark.parametrize("plan", [StepPlan.stop_plan(3), StepPlan.idle_plan(3)], ids=["stop", "idle"])
 def test_the_empty_plans_survive_pickling(plan):
     _assert_same(plan, pickle.loads(pickle.dumps(plan)))
+
+
+def broadcast_worker(rank: int, world: int, plans) -> dict:
+    """Plans and a large object through :class:`PlanBroadcast` over a real gloo group; each
+    rank reports what it received and the collectives and capacity after each object."""
+    import torch.distributed as dist
+
+    from tknp_megatron.engine.plan_broadcast import PlanBroadcast
+
+    send = PlanBroadcast(None, src=0, capacity=8192)
+    big = torch.arange(4000, dtype=torch.int64)  # about 32 KB pickled: over the buffer (plans: 2-5 KB)
+    log = []
+    for obj, grow in [(plans[0], True), (big, False), (plans[1], True), (big, True), (plans[0], True)]:
+        got = send(obj if rank == 0 else None, grow)
+        log.append((got, send.collectives, send.capacity))
+    dist.barrier()
+    return dict(log=log)
+
+
+def test_plans_cross_a_gloo_pool_in_one_collective():
+    """A plan that fits the buffer crosses in one collective; an object larger than the
+    buffer in two (its length, then its bytes), growing the buffer on every rank unless
+    told not to; every rank gets what the coordinator sent."""
+    from tknp_megatron.launch import spawn
+
+    plans = (build_plan(5, _requests(7, 2, True), (), 2),
+             build_plan(6, _requests(3, 2, False), (Admission(3, 1, 1, (4, 5, 6)),), 2))
+    big = torch.arange(4000, dtype=torch.int64)
+    for out in spawn(broadcast_worker, 3, (plans,), timeout_s=120):
+        (p0, c0, cap0), (b1, c1, cap1), (p2, c2, cap2), (b3, c3, cap3), (p4, c4, cap4) = out["log"]
+        _assert_same(p0, plans[0])
+        _assert_same(p2, plans[1])
+        _assert_same(p4, plans[0])
+        assert torch.equal(b1, big) and torch.equal(b3, big)
+        assert (c0, c1, c2, c3, c4) == (1, 3, 4, 6, 7)  # fits: one; too large: two
+        assert (cap0, cap1, cap2) == (8192, 8192, 8192)  # grow=False kept the buffer
+        size = len(pickle.dumps(big, protocol=pickle.HIGHEST_PROTOCOL))
+        assert cap3 == cap4 == 1 << (size - 1).bit_length()  # grown to the next power of two

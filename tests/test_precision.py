@@ -45,10 +45,13 @@ def test_without_transformer_engine_a_gpu_run_says_so(monkeypatch):
                         "(pip install transformer-engine[pytorch])"]
 
 
-def test_dcp_builds_local_layers_and_refuses_fp8():
+def test_dcp_takes_every_format_as_the_other_modes_do():
+    """DCP's QKV has local and TE layers: off GPU it resolves to local layers and refuses
+    FP8 with the same line as every mode (TE runs on GPUs only)."""
     assert dense_format_for(Mode.DCP, DenseFormat(), CPU).transformer_impl == "local"
-    with pytest.raises(ValueError, match="mode 'dcp': its head-structured QKV layer has no"):
-        dense_format_for(Mode.DCP, DenseFormat(fp8_recipe="tensorwise"), CPU)
+    for mode in (Mode.DCP, Mode.TKNP):
+        with pytest.raises(ValueError, match=r"--fp8-recipe: Transformer Engine runs on GPUs only"):
+            dense_format_for(mode, DenseFormat(fp8_recipe="tensorwise"), CPU)
 
 
 class _Groups:
@@ -75,8 +78,8 @@ def test_stored_bytes_counts_what_parameters_hold():
 
 def test_check_fp8_script_runs_on_cpu(tmp_path):
     """The GPU check's own code path off GPU (local layers only): TKNP's first tokens and
-    logits against Megatron's GPTModel in fp32, as the GPU run compares each format, and
-    every mode's tokens against TKNP's."""
+    logits against Megatron's GPTModel in fp32, as the GPU run compares each format, every
+    mode's tokens against TKNP's, and DCP's (one-KV-head variant) against both."""
     import json
     import subprocess
     import sys
@@ -86,7 +89,7 @@ def test_check_fp8_script_runs_on_cpu(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "tknp_megatron.tools.check_fp8", "--device", "cpu", "--model", "tiny",
          "--layers", "2", "--requests", "4", "--prompt-len", "8", "--output-len", "3",
-         "--parts", "tokens", "modes", "--out", str(out)],
+         "--parts", "tokens", "modes", "dcp", "--out", str(out)],
         cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -95,3 +98,6 @@ def test_check_fp8_script_runs_on_cpu(tmp_path):
     assert row["megatron_first_logit_max_diff"] < 1e-4
     modes = {r["mode"]: r["vs_tknp_eager"]["token_agreement"] for r in report["modes"]}
     assert modes == {"tknp": 1.0, "dp": 1.0, "tp": 1.0, "pp": 1.0}
+    (dcp,) = report["dcp"]
+    assert dcp["megatron_first_token_agreement"] == 1.0 and dcp["megatron_first_logit_max_diff"] < 1e-4
+    assert dcp["vs_tknp"]["token_agreement"] == 1.0

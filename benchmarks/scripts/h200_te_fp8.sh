@@ -8,8 +8,12 @@
 # (3) with CKPT and EXPECTED set (a trained model's BF16 checkpoint and transformers' greedy
 #     tokens, as benchmarks/scripts/x2_trained_agreement.sh prepares them): tokens per format
 #     and every mode on one GPU against them;
-# (4) DP on one GPU at 32K, 12 of Llama-3.1-70B's layers, per format (bench_serving).
-# Usage: OUT=dir [CKPT=dir EXPECTED=file] [PARTS="check main trained serving"] bash $0
+# (4) DP on one GPU at 32K, 12 of Llama-3.1-70B's layers, per format (bench_serving);
+# (5) dcp: DCP's own QKV layer per format (check_fp8 --parts dcp: the one-KV-head variant,
+#     against Megatron's GPTModel and TKNP), then DCP and TKNP-MQA on one GPU at 32K, 12 of
+#     Llama-3.1-70B's layers with one KV head, per format (bench_serving).
+# Usage: OUT=dir [CKPT=dir EXPECTED=file] [PARTS="check main trained serving dcp"]
+#        [DCP_FORMATS="local te fp8 fp8-blockwise"] [DCP_SERVING= (empty: skip its serving rows)] bash $0
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -33,7 +37,16 @@ for part in ${PARTS:-check main}; do
                       "--fp8-recipe tensorwise" "--fp8-recipe blockwise"; do
                timeout 240 $T -m tknp_megatron.tools.bench_serving --device cuda --model llama3.1-70b \
                  --layers 12 --gpu-memory-gib 34.6 --output-len 256 --modes dp --cuda-graphs \
-                 --contexts 32768 --batches 32 $f --out "$OUT/dp1" 2>&1 | grep -v -i warn | tail -3
+                 --contexts 32768 --batches 32 $f --out "$OUT/dp1/${f##* }" 2>&1 | grep -v -i warn | tail -3
              done ;;
+    dcp) timeout 300 $T -m tknp_megatron.tools.check_fp8 --parts dcp --formats ${DCP_FORMATS:-local te fp8 fp8-blockwise} \
+           --out "$OUT/check_dcp.json" > "$OUT/check_dcp.log" 2>&1
+         echo "exit $?"; sed -n '/^== dcp/,$p' "$OUT/check_dcp.log"
+         [ -n "${DCP_SERVING-1}" ] && for f in "--transformer-impl local" "--transformer-impl transformer_engine" "--fp8-recipe tensorwise"; do
+           echo "-- $f"
+           timeout 200 $T -m tknp_megatron.tools.bench_serving --device cuda --model llama3.1-70b \
+             --layers 12 --gpu-memory-gib 34.6 --output-len 128 --modes dcp --cuda-graphs \
+             --contexts 32768 --batches 64 $f --out "$OUT/dcp1/${f##* }" 2>&1 | grep -E "^ +(mode|DCP|TKNP-MQA) |rror"
+         done ;;
   esac
 done

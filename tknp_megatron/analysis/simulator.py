@@ -187,7 +187,7 @@ class SimulatedPool(LockstepEngine):
         counts, step_model, clock = self._sim
         return BuiltExecutor(_TimedExecutor(step_model, clock), None, counts)
 
-    def _broadcast(self, box: list) -> None:
+    def _broadcast(self, box: list, grow: bool = True) -> None:
         pass  # no other rank: the plan's work is in the step time
 
     def _send_ingested_kv(self, plan: StepPlan) -> None:

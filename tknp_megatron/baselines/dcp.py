@@ -21,10 +21,12 @@ each shard (token p -> local block ``(p // D) // (B / D) = p // B``), so the sam
 table row serves every rank and capacity is counted in whole-sequence tokens.
 
 With CUDA graphs, pure-decode steps replay from a graph per batch bucket
-(:mod:`~tknp_megatron.executor.cuda_graphs`, captured when the engine is built), on inputs
-of fixed shapes per bucket (:func:`~.dcp_inputs.prepare_dcp_decode_inputs`: every row
-writes, those this shard does not hold to the scratch block); steps 1-6 above, the
-collectives included, are the captured body.
+(:mod:`~tknp_megatron.executor.cuda_graphs`, captured when the engine is built): the
+padded plan's host vectors cross into the graph's fixed buffers
+(:class:`~tknp_megatron.executor.step_inputs.GraphStep`), and the captured body derives
+inputs of fixed shapes per bucket from them (:func:`~.dcp_inputs.dcp_decode_inputs`: every
+row writes, those this shard does not hold to the scratch block), then runs steps 1-6
+above, the collectives included.
 """
 
 from __future__ import annotations
@@ -44,7 +46,12 @@ from tknp_megatron.baselines.dcp_attention import (
     partial_attention_triton,
     triton_decode_usable,
 )
-from tknp_megatron.baselines.dcp_inputs import DCPStepInputs, prepare_dcp_decode_inputs, prepare_dcp_inputs
+from tknp_megatron.baselines.dcp_inputs import (
+    DCPStepInputs,
+    check_dcp_decode,
+    dcp_decode_inputs,
+    prepare_dcp_inputs,
+)
 from tknp_megatron.baselines.dcp_qkv import dcp_degree
 from tknp_megatron.engine.base import BuiltExecutor
 from tknp_megatron.engine.engine import LockstepEngine
@@ -53,9 +60,10 @@ from tknp_megatron.executor.base import StepOutput
 from tknp_megatron.executor.dense import finish_layer, qkv_projection, vocab_logits
 from tknp_megatron.executor.ingest import Admitter, KVSlice
 from tknp_megatron.executor.rope import Rope
-from tknp_megatron.executor.step_inputs import pad_plan
+from tknp_megatron.executor.step_inputs import GraphStep, host_inputs, pad_plan
 from tknp_megatron.executor.tknp import draw_tokens
 from tknp_megatron.kv_cache import KVCacheSpec, PagedKVCache
+from tknp_megatron.models.precision import dense_autocast
 from tknp_megatron.placement import balanced_placement
 from tknp_megatron.plan import Admission, StepPlan
 from tknp_megatron.sampling import token_log_probs
@@ -149,11 +157,12 @@ class DCPExecutor:
         self.admitter = Admitter(kv, kv_slice, device)  # every rank writes every block-table row
         self.last_tokens = None  # [R] previous step's tokens (device)
         self.graphs = None  # set by enable_cuda_graphs
+        self.graph_last: Optional[torch.Tensor] = None  # graphs: the previous step's tokens, fixed
         self.plan_owners = 1  # a plan's owners: one node holds every request
 
     def enable_cuda_graphs(self, max_requests_per_owner: int = 0) -> None:
         """Replay pure-decode steps from CUDA graphs, one per batch bucket (inputs padded
-        by :func:`~tknp_megatron.baselines.dcp_inputs.prepare_dcp_decode_inputs`); with
+        and derived by :func:`~tknp_megatron.baselines.dcp_inputs.dcp_decode_inputs`); with
         ``max_requests_per_owner``, on a GPU, capture every bucket up to it now (every
         rank of the pool together: the graphs hold the DCP and TP collectives).
 
@@ -161,6 +170,7 @@ class DCPExecutor:
         from tknp_megatron.executor.cuda_graphs import DecodeGraphs
 
         self.graphs = DecodeGraphs(self, capture=self.device.type == "cuda")
+        self.graph_last = torch.zeros(self.kv.spec.max_slots, dtype=torch.int64, device=self.device)
         if max_requests_per_owner and self.graphs.capture:
             self.graphs.capture_buckets(max_requests_per_owner)
 
@@ -170,11 +180,12 @@ class DCPExecutor:
         self.apply_admissions(plan.admissions)
         use_graph = (self.graphs is not None and timer is None and plan.max_query_len == 1
                      and not plan.record_logits and plan.log_probs_top_n < 0)  # graphs replay the tokens-only step
-        if use_graph:
-            out = StepOutput(self.graphs.run(plan, self.last_tokens))
-        else:
-            inp = prepare_dcp_inputs(plan, self.dcp, self.kv, self.rope, self.device, self.last_tokens)
-            out = self._forward(inp, plan.record_logits, plan.log_probs_top_n)
+        with dense_autocast(self.model.config, self.groups.tp_group):  # FP8 GEMMs if stored FP8
+            if use_graph:
+                out = StepOutput(self.graphs.run(plan, self.last_tokens))
+            else:
+                inp = prepare_dcp_inputs(plan, self.dcp, self.kv, self.rope, self.device, self.last_tokens)
+                out = self._forward(inp, plan.record_logits, plan.log_probs_top_n)
         self.last_tokens = out.tokens  # rows of the next plan may be fed from them
         return out
 
@@ -187,18 +198,23 @@ class DCPExecutor:
 
     # ---------------------------------------------------------------- graphs
     def graph_inputs(self, plan: StepPlan, last_tokens, max_seq_len: int):
-        """For :class:`~tknp_megatron.executor.cuda_graphs.DecodeGraphs`: ``(layout key,
-        fixed-shape inputs of the padded plan, [R] index of each real request in the padded
-        batch)``. ``max_seq_len`` is the cache's longest sequence in its own blocks' tokens:
-        for a shard's cache (blocks of ``B / D`` tokens) the longest shard-local length."""
+        """For :class:`~tknp_megatron.executor.cuda_graphs.DecodeGraphs`: ``(layout key, host
+        inputs of the padded plan, [R] index of each real request in the padded batch)``.
+        ``max_seq_len`` is the cache's longest sequence in its own blocks' tokens: for a
+        shard's cache (blocks of ``B / D`` tokens) the longest shard-local length. The
+        previous step's tokens go to the fixed buffer the captured body reads."""
         padded, index = pad_plan(plan, self.kv.dummy_slot)
-        inp = prepare_dcp_decode_inputs(padded, self.dcp, self.kv, self.rope, self.device,
-                                        max_seq_len, last_tokens)
-        return inp.shape, inp, index
+        host = host_inputs(padded, 0)
+        check_dcp_decode(host, self.dcp, max_seq_len)
+        if last_tokens is not None:
+            self.graph_last[: last_tokens.shape[0]].copy_(last_tokens)
+        return host.shape, GraphStep(host, max_seq_len), index
 
-    def graph_forward(self, inputs: DCPStepInputs):
-        """The captured body: ``[R_padded]`` tokens."""
-        return self._forward(inputs).tokens
+    def graph_forward(self, step: GraphStep) -> torch.Tensor:
+        """The captured body: the step's device inputs, the layers and sampling; ``[R_padded]`` tokens."""
+        inp = dcp_decode_inputs(step.key, step.staged, self.dcp, self.kv, self.rope, step.max_seq_len,
+                                self.graph_last)
+        return self._forward(inp).tokens
 
     def apply_admissions(self, admissions: Sequence[Admission]) -> None:
         """Every rank writes the same block-table row; ingested KV: synthetic only."""

@@ -3,9 +3,12 @@
 :func:`prepare_dcp_inputs` serves every step eagerly: the rows whose position falls in
 this rank's shard (``p % D == j``) are picked out by index, so their number changes from
 step to step. A CUDA graph needs every shape fixed per batch bucket, so for pure-decode
-steps :func:`prepare_dcp_decode_inputs` takes a plan already padded to a bucket
+steps :func:`dcp_decode_inputs` takes a plan already padded to a bucket
 (:func:`~tknp_megatron.executor.step_inputs.pad_plan`: padding requests on the cache's
-dummy slot, at position 0) and gives every tensor a shape fixed by the bucket alone:
+dummy slot, at position 0) and gives every tensor a shape fixed by the bucket alone.
+It starts from the same host vectors as a TKNP step
+(:class:`~tknp_megatron.executor.step_inputs.StepHost`, which cross as two copies into a
+graph's fixed buffers) and derives the rest on the device, inside the captured body:
 
 * every row writes its k/v; a row this shard does not hold writes to the scratch block
   (the dummy slot's block-table row), as padding requests do, so no real KV changes;
@@ -28,13 +31,24 @@ import torch
 
 from tknp_megatron.baselines.dcp_attention import ShardMetadata, decode_metadata
 from tknp_megatron.executor.rope import Rope
-from tknp_megatron.executor.step_inputs import StepShape, plan_sampling, row_layout, step_tokens
+from tknp_megatron.executor.step_inputs import (
+    HostInputs,
+    StepHost,
+    StepShape,
+    feed_previous,
+    host_inputs,
+    plan_sampling,
+    row_layout,
+    step_tokens,
+)
 from tknp_megatron.host_to_device import to_device
 from tknp_megatron.kv_cache import PagedKVCache
 from tknp_megatron.plan import StepPlan
 from tknp_megatron.sampling import SamplingTensors
 
-__all__ = ["DCPStepInputs", "prepare_dcp_inputs", "prepare_dcp_decode_inputs"]
+__all__ = [
+    "DCPStepInputs", "check_dcp_decode", "dcp_decode_inputs", "prepare_dcp_inputs", "prepare_dcp_decode_inputs",
+]
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,7 +80,7 @@ class DCPStepInputs:
     decode: bool = False
 
     def tensors(self):
-        """Every tensor field, in a fixed order (for copying into a graph's static buffers)."""
+        """Every tensor field, in a fixed order."""
         a, k = self.attn, self.attn.kernel
         kernel = () if k is None else (k.query_start_loc, k.seq_lens, k.block_table)
         own = () if self.own_rows is None else (self.own_rows,)
@@ -74,15 +88,6 @@ class DCPStepInputs:
             self.tokens, self.freqs, *own, self.write_slots, a.row_request, a.positions,
             a.local_lens, a.block_table, *kernel, self.last_rows, *self.sampling,
         )
-
-    def copy_(self, other: "DCPStepInputs") -> None:
-        """Fill these (static) buffers from ``other`` of the same bucket (same shapes and
-        host fields)."""
-        if (other.shape, other.attn.max_local_len, other.decode) != (
-                self.shape, self.attn.max_local_len, self.decode):
-            raise ValueError(f"DCP graph inputs of another layout: {other.shape}, not {self.shape}")
-        for dst, src in zip(self.tensors(), other.tensors()):
-            dst.copy_(src, non_blocking=True)
 
 
 def prepare_dcp_inputs(plan: StepPlan, dcp, kv: PagedKVCache, rope: Rope, device,
@@ -120,39 +125,60 @@ def prepare_dcp_inputs(plan: StepPlan, dcp, kv: PagedKVCache, rope: Rope, device
     )
 
 
+def check_dcp_decode(host: HostInputs, dcp, max_local_len: int) -> None:
+    """Refuse (ValueError) host inputs the fixed-shape decode path cannot take: a plan that
+    is not pure decode (one row per request), or a shard-local length over the grid bound."""
+    if host.max_query_len > 1 or host.shape.num_rows != sum(host.shape.requests_per_owner):
+        raise ValueError("DCP decode inputs: a pure-decode plan (one row per request)")
+    d, j = dcp.degree, dcp.shard
+    longest = max(host.max_seq_len - j + d - 1, 0) // d
+    if longest > max_local_len:
+        raise ValueError(f"a shard-local length {longest} over the bound {max_local_len}")
+
+
+def dcp_decode_inputs(shape: StepShape, dev: StepHost, dcp, kv: PagedKVCache, rope: Rope,
+                      max_local_len: int, last_tokens: Optional[torch.Tensor] = None) -> DCPStepInputs:
+    """The fixed-shape :class:`DCPStepInputs` of a padded pure-decode step from its
+    :class:`~tknp_megatron.executor.step_inputs.StepHost` tensors on the device: device
+    work only (no host sync), so a graph's captured body begins with it. Every tensor's
+    shape depends on the bucket ``R`` only (``[R]``, ``[R, 1, 1, rot_dim]``, block tables
+    ``[R, max_blocks]``); see the module docstring for what padding and non-held rows do.
+
+    ``max_local_len``: the kernel's grid bound, at least every shard-local length the
+    cache can hold (the cache's longest sequence in its own, shard-local, tokens);
+    ``last_tokens``: the previous step's tokens (a graph's fixed buffer), which rows with
+    ``prev_index >= 0`` take.
+    """
+    d, j = dcp.degree, dcp.shard
+    positions = dev.positions  # [R]: row r is request r's newest token
+    mine = positions % d == j
+    local_lens = (positions + 1 - j + d - 1).clamp(min=0) // d
+    write_slot = torch.where(mine, dev.slots, kv.dummy_slot)  # not held here: the scratch block
+    write_pos = torch.where(mine, positions // d, 0)
+    rows = dev.last_rows  # [R]: one row per request, so request r's row is r
+    attn = ShardMetadata(
+        row_request=rows, positions=positions, local_lens=local_lens,
+        block_table=kv.block_table[dev.slots], max_local_len=max_local_len, shard=j, degree=d,
+    )
+    attn = dataclasses.replace(attn, kernel=decode_metadata(attn))
+    tokens = dev.tokens if last_tokens is None else feed_previous(dev.tokens, dev.prev_index, last_tokens)
+    return DCPStepInputs(
+        shape=shape, tokens=tokens, freqs=rope.freqs(positions), own_rows=None,
+        write_slots=kv.slot_mapping(write_slot, write_pos), attn=attn, last_rows=rows,
+        sampling=dev.sampling, decode=True,
+    )
+
+
 def prepare_dcp_decode_inputs(plan: StepPlan, dcp, kv: PagedKVCache, rope: Rope, device,
                               max_local_len: int, last_tokens=None) -> DCPStepInputs:
     """The fixed-shape inputs of a pure-decode ``plan`` padded to a bucket of ``R``
-    requests (one row each): every tensor's shape depends on ``R`` only (``[R]``,
-    ``[R, 1, 1, rot_dim]``, block tables ``[R, max_blocks]``), the host fields on ``R``,
-    the sampling mode and ``max_local_len`` only (see the module docstring).
-
-    ``max_local_len``: the kernel's grid bound, at least every shard-local length the
-    cache can hold (the cache's longest sequence in its own, shard-local, tokens).
-    """
-    d, j = dcp.degree, dcp.shard
-    cols = plan.per_request
-    n_req = plan.num_requests
-    if plan.num_rows != n_req or plan.max_query_len != 1:
-        raise ValueError("prepare_dcp_decode_inputs: a pure-decode plan (one row per request)")
-    positions = cols.start_pos  # row r is request r's newest token
-    mine = positions % d == j
-    local_lens = (positions + 1 - j + d - 1).clamp(min=0) // d
-    if n_req and int(local_lens.max()) > max_local_len:
-        raise ValueError(f"a shard-local length {int(local_lens.max())} over the bound {max_local_len}")
-    write_slot = torch.where(mine, cols.slots, kv.dummy_slot)  # not held here: the scratch block
-    write_pos = torch.where(mine, positions // d, 0)
-    rows = torch.arange(n_req)
-    slots, write_slot, write_pos, positions, local_lens, rows = to_device(
-        (cols.slots, write_slot, write_pos, positions, local_lens, rows), device)
-    attn = ShardMetadata(
-        row_request=rows, positions=positions, local_lens=local_lens,
-        block_table=kv.block_table[slots], max_local_len=max_local_len, shard=j, degree=d,
-    )
-    attn = dataclasses.replace(attn, kernel=decode_metadata(attn))
-    shape = StepShape((n_req,), (n_req,), bool((cols.temperature == 0).all()))
-    return DCPStepInputs(
-        shape=shape, tokens=step_tokens(plan, device, last_tokens), freqs=rope.freqs(positions),
-        own_rows=None, write_slots=kv.slot_mapping(write_slot, write_pos), attn=attn,
-        last_rows=rows, sampling=plan_sampling(plan, device), decode=True,
-    )
+    requests (one row each), eagerly: :func:`~tknp_megatron.executor.step_inputs.host_inputs`,
+    two non-blocking copies, :func:`dcp_decode_inputs` (what a graph's body runs on its
+    fixed buffers)."""
+    host = host_inputs(plan, 0)
+    check_dcp_decode(host, dcp, max_local_len)
+    if host.feeds_previous and last_tokens is None:
+        raise RuntimeError("the plan feeds tokens of a previous step this rank has not run")
+    dev = StepHost(*to_device(host.tensors, device))
+    return dcp_decode_inputs(host.shape, dev, dcp, kv, rope, max_local_len,
+                             last_tokens if host.feeds_previous else None)

@@ -18,15 +18,17 @@ maps one parameter onto two fragments), so checkpoints and
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import List
 
 import torch
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-from tknp_megatron.models.model import StageModel, padded_vocab_size
+from tknp_megatron.models.model import StageModel, build_stage_model
+from tknp_megatron.models.precision import DenseFormat
 
-__all__ = ["DCPQKVLinear", "dcp_degree", "build_dcp_model"]
+__all__ = ["DCPQKVLinear", "HeadRows", "dcp_degree", "build_dcp_model", "dp_rank"]
 
 
 def dcp_degree(num_query_groups: int, world: int) -> int:
@@ -36,46 +38,56 @@ def dcp_degree(num_query_groups: int, world: int) -> int:
     return max(1, world // num_query_groups)
 
 
-class DCPQKVLinear(torch.nn.Module):
-    """``[s, b, hidden] -> ([s, b, (Hq / W + 2) d_h], None)``: own q heads, then k and v.
+@dataclass(frozen=True)
+class HeadRows:
+    """Which rows of Megatron's fused QKV weight a DCP rank holds, and their checkpoint mapping.
 
-    Takes the arguments :class:`~megatron.core.transformer.attention.SelfAttention` passes
-    to its ``linear_qkv`` builder, so it can be a ``ModuleSpec`` override. Requires
-    W >= Hkv (the DCP case); the rank comes from ``tp_group``.
+    Rank ``r = g * D + j`` of W holds query group ``g``'s heads ``j * P / D ...`` (its own
+    ``Hq / W`` query heads) and the group's k and v head, ``d_h`` rows each.
+
+    Attributes:
+        degree: D = W / Hkv.
+        group: g, the rank's query group (its KV head).
+        shard: j, the rank's index among the group's D ranks.
+        q_heads: own query heads, Hq / W.
+        per_group: query heads per group, P = Hq / Hkv.
+        head_dim: d_h.
+        num_groups: Hkv.
     """
 
-    def __init__(self, input_size, output_size, *, config, init_method=None, gather_output=False,
-                 bias=False, skip_bias_add=False, is_expert=False, tp_comm_buffer_name=None,
-                 tp_group=None):
-        super().__init__()
-        world = dist.get_world_size(tp_group)
-        rank = dist.get_rank(tp_group)
+    degree: int
+    group: int
+    shard: int
+    q_heads: int
+    per_group: int
+    head_dim: int
+    num_groups: int
+
+    @classmethod
+    def of(cls, config, output_size: int, tp_group) -> "HeadRows":
+        """The layout of this rank of ``tp_group`` (ValueError unless W >= Hkv, Hkv | W)."""
+        world, rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
         heads, groups, d = config.num_attention_heads, config.num_query_groups, config.kv_channels
         if output_size != (heads + 2 * groups) * d or world < groups or world % groups:
-            raise ValueError(f"DCPQKVLinear: {heads} q / {groups} kv heads over {world} ranks")
-        self.config, self.skip_bias_add = config, skip_bias_add
-        self.degree = world // groups
-        self.group, self.shard = divmod(rank, self.degree)
-        self.q_heads = heads // world
-        self.per_group = heads // groups
-        self.head_dim = d
-        rows = (self.q_heads + 2) * d
-        self.weight = torch.nn.Parameter(torch.empty(rows, input_size, dtype=config.params_dtype))
-        self.bias = torch.nn.Parameter(torch.empty(rows, dtype=config.params_dtype)) if bias else None
+            raise ValueError(f"DCP QKV: {heads} q / {groups} kv heads over {world} ranks")
+        degree = world // groups
+        group, shard = divmod(rank, degree)
+        return cls(degree, group, shard, heads // world, heads // groups, d, groups)
 
-    def forward(self, x: torch.Tensor):
-        out = torch.nn.functional.linear(x, self.weight, None if self.skip_bias_add else self.bias)
-        return out, (self.bias if self.skip_bias_add else None)
+    @property
+    def rows(self) -> int:
+        """Local output rows: ``(Hq / W + 2) d_h``."""
+        return (self.q_heads + 2) * self.head_dim
 
-    # ------------------------------------------------------------ checkpoint mapping
-    def _global_heads(self) -> List[int]:
+    def global_heads(self) -> List[int]:
         """Global head-row index (units of d_h rows) of each local head row, in order."""
         base = self.group * (self.per_group + 2)
         q = [base + self.shard * self.q_heads + i for i in range(self.q_heads)]
         return q + [base + self.per_group, base + self.per_group + 1]
 
-    def _factory(self, key: str, param: torch.Tensor, sharded_offsets, replica_dp: int):
-        heads, total = self._global_heads(), self.config.num_query_groups * (self.per_group + 2)
+    def sharded(self, key: str, param: torch.Tensor, sharded_offsets, replica_dp: int):
+        """``param`` (``[rows, ...]``) as fragments of Megatron's fused global tensor ``key``."""
+        heads, total = self.global_heads(), self.num_groups * (self.per_group + 2)
         prepend = len(sharded_offsets)
         d, n_q, shard = self.head_dim, self.q_heads, self.shard
 
@@ -97,36 +109,62 @@ class DCPQKVLinear(torch.nn.Module):
 
         return ShardedTensorFactory(key, param, build, merge, replica_id=(0, 0, replica_dp))
 
+
+def dp_rank(metadata) -> int:
+    """This rank's place in the sharded-state-dict metadata's DP group (0 without one)."""
+    if metadata is not None and metadata.get("dp_cp_group") is not None:
+        return dist.get_rank(metadata["dp_cp_group"])
+    return 0
+
+
+class DCPQKVLinear(torch.nn.Module):
+    """``[s, b, hidden] -> ([s, b, (Hq / W + 2) d_h], None)``: own q heads, then k and v
+    (the rows of :class:`HeadRows`), with Megatron's local layers.
+
+    Takes the arguments :class:`~megatron.core.transformer.attention.SelfAttention` passes
+    to its ``linear_qkv`` builder, so it is the layer spec's ``linear_qkv``. Requires
+    W >= Hkv (the DCP case); the rank comes from ``tp_group``. With Transformer Engine,
+    :class:`~tknp_megatron.baselines.dcp_qkv_te.DCPTEQKVLinear` is the same rows with
+    the norm fused in.
+    """
+
+    def __init__(self, input_size, output_size, *, config, init_method=None, gather_output=False,
+                 bias=False, skip_bias_add=False, is_expert=False, tp_comm_buffer_name=None,
+                 tp_group=None, name=None):
+        super().__init__()
+        self.layout = HeadRows.of(config, output_size, tp_group)
+        self.config, self.skip_bias_add = config, skip_bias_add
+        rows = self.layout.rows
+        self.weight = torch.nn.Parameter(torch.empty(rows, input_size, dtype=config.params_dtype))
+        self.bias = torch.nn.Parameter(torch.empty(rows, dtype=config.params_dtype)) if bias else None
+
+    def forward(self, x: torch.Tensor):
+        out = torch.nn.functional.linear(x, self.weight, None if self.skip_bias_add else self.bias)
+        return out, (self.bias if self.skip_bias_add else None)
+
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """``{prefix}weight`` (and ``bias``) as fragments of Megatron's fused global tensor."""
-        dp = 0
-        if metadata is not None and metadata.get("dp_cp_group") is not None:
-            dp = dist.get_rank(metadata["dp_cp_group"])
-        out = {f"{prefix}weight": self._factory(f"{prefix}weight", self.weight, sharded_offsets, dp)}
+        dp = dp_rank(metadata)
+        out = {f"{prefix}weight": self.layout.sharded(f"{prefix}weight", self.weight, sharded_offsets, dp)}
         if self.bias is not None:
-            out[f"{prefix}bias"] = self._factory(f"{prefix}bias", self.bias, sharded_offsets, dp)
+            out[f"{prefix}bias"] = self.layout.sharded(f"{prefix}bias", self.bias, sharded_offsets, dp)
         return out
 
 
 def build_dcp_model(preset, layers, *, pre_process: bool, post_process: bool, tp: int,
-                    params_dtype: torch.dtype, device: torch.device, tp_group=None) -> StageModel:
-    """Megatron's StageModel with TP = W and every layer's ``linear_qkv`` a DCPQKVLinear.
-
-    Built on the meta device like :func:`tknp_megatron.models.model.build_stage_model`; the swap
-    happens before allocation, so Megatron's uneven fused split is never materialised.
+                    params_dtype: torch.dtype, device: torch.device,
+                    dense: DenseFormat = DenseFormat(transformer_impl="local")) -> StageModel:
+    """Megatron's StageModel with TP = W whose layer spec's ``linear_qkv`` is DCP's:
+    :class:`DCPQKVLinear` with local layers, the TE fused norm + linear of
+    :class:`~tknp_megatron.baselines.dcp_qkv_te.DCPTEQKVLinear` with Transformer Engine
+    (its FP8 weights too). Megatron's own uneven split of the fused QKV is never built, and
+    a layer rebuilt from the spec (FP8 storage, :func:`~tknp_megatron.models.precision.store_fp8_weights_`)
+    is DCP's again.
     """
-    config = preset.to_transformer_config(
-        tensor_model_parallel_size=tp, params_dtype=params_dtype,
-        use_cpu_initialization=device.type == "cpu",
-    )
-    vocab = padded_vocab_size(preset, tp)
-    with torch.device("meta"):
-        model = StageModel(preset, config, layers, pre_process, post_process, vocab)
-        for layer in model.decoder.layers.values():
-            attn = layer.self_attention
-            old = attn.linear_qkv
-            attn.linear_qkv = DCPQKVLinear(
-                config.hidden_size, attn.linear_qkv_out_dim, config=config,
-                bias=old.bias is not None, tp_group=tp_group if tp_group is not None else attn.tp_group,
-            )
-    return model.to_empty(device=device).eval()
+    dense = dense.resolved(device)
+    if dense.use_te:
+        from tknp_megatron.baselines.dcp_qkv_te import DCPTEQKVLinear as qkv
+    else:
+        qkv = DCPQKVLinear
+    return build_stage_model(preset, layers, pre_process=pre_process, post_process=post_process, tp=tp,
+                             params_dtype=params_dtype, device=device, dense=dense, linear_qkv=qkv)

@@ -30,6 +30,7 @@ from tknp_megatron.analysis.metrics import ServingMetrics, summarize
 from tknp_megatron.config import ModelPreset
 from tknp_megatron.engine.config import EngineConfig, GenerationResult
 from tknp_megatron.engine.intake import Arrival, ArrivalQueue, request_problem
+from tknp_megatron.engine.plan_broadcast import PlanBroadcast
 from tknp_megatron.engine.request import Request, RequestStatus, RequestTimeline
 from tknp_megatron.engine.scheduler import Scheduler, SchedulerConfig, StepLogProbs
 from tknp_megatron.executor.base import Executor, StepOutput
@@ -114,6 +115,12 @@ class InferenceEngine(abc.ABC):
         self.peak_kv_tokens = [0] * len(self.block_counts)  # per owner, most tokens cached
         self._step = 0
         self.loop_timing = LoopTiming()
+        # plans to the rest of the pool, one collective a step; a pool of one rank (a DP
+        # replica, a simulated pool) has no one to tell: pickling a plan for itself cost it
+        # about 1 ms a step
+        pool = groups.pool_cpu_group
+        alone = not dist.is_initialized() or dist.get_world_size(pool) == 1
+        self._plans = None if alone else PlanBroadcast(pool, groups.coordinator_rank)
         self.scheduler = None
         if groups.is_coordinator:
             allocators = [BlockAllocator(n, config.block_size) for n in self.block_counts]
@@ -292,7 +299,7 @@ class InferenceEngine(abc.ABC):
         else:
             self.serve()
         box = [results]
-        self._broadcast(box)
+        self._broadcast(box, grow=False)  # once: the buffer is not grown for it
         return box[0]
 
     def run_until_done(self, progress: Optional[Callable[[int], None]] = None) -> None:
@@ -339,13 +346,12 @@ class InferenceEngine(abc.ABC):
         return summarize(timelines, self.scheduler.waves, peak)  # KV use: peak fraction per node
 
     # ---------------------------------------------------------------- helpers
-    def _broadcast(self, box: list) -> None:
-        """Broadcast picklable objects from the coordinator to the pool, host to host
-        (gloo): no rank waits for its GPU to receive a plan. A pool of one rank (a DP
-        replica) has no one to tell: pickling a plan for itself cost it about 1 ms a step."""
-        group = self.groups.pool_cpu_group
-        if dist.get_world_size(group) > 1:
-            dist.broadcast_object_list(box, src=self.groups.coordinator_rank, group=group)
+    def _broadcast(self, box: list, grow: bool = True) -> None:
+        """Broadcast ``box[0]``, a picklable object, from the coordinator to the pool, host
+        to host (gloo, :class:`~tknp_megatron.engine.plan_broadcast.PlanBroadcast`): no
+        rank waits for its GPU to receive a plan. Every rank's ``box[0]`` is the object after."""
+        if self._plans is not None:
+            box[0] = self._plans(box[0], grow)
 
     def _require_coordinator(self, what: str) -> None:
         if not self.groups.is_coordinator:

@@ -54,14 +54,11 @@ def placement_for(mode: Mode, preset: ModelPreset, groups: TokenParallelGroups,
 def dense_format_for(mode: Mode, dense: DenseFormat, device: torch.device) -> DenseFormat:
     """``dense`` made concrete for ``mode`` on ``device`` (ValueError, one line, if it cannot be).
 
-    DCP's head-structured QKV (:class:`~tknp_megatron.baselines.dcp_qkv.DCPQKVLinear`)
-    replaces the fused norm + QKV layer of Megatron's TE spec, so DCP builds local layers.
+    Every mode takes every format: DCP's head-structured QKV has a local
+    (:class:`~tknp_megatron.baselines.dcp_qkv.DCPQKVLinear`) and a Transformer Engine
+    (:class:`~tknp_megatron.baselines.dcp_qkv_te.DCPTEQKVLinear`) layer.
     """
-    if Mode(mode) is Mode.DCP:
-        if dense.fp8 or dense.transformer_impl == "transformer_engine":
-            raise ValueError("mode 'dcp': its head-structured QKV layer has no Transformer Engine "
-                             "or FP8 path; run it with --transformer-impl local and no --fp8-recipe")
-        dense = dataclasses.replace(dense, transformer_impl="local")
+    Mode(mode)
     return dense.resolved(device)
 
 
@@ -84,7 +81,7 @@ def build_model(mode: Mode, preset: ModelPreset, placement: Placement, groups: T
     from tknp_megatron.baselines.dcp_qkv import build_dcp_model
 
     return build_dcp_model(preset, range(preset.num_layers), pre_process=True, post_process=True,
-                           tp=groups.tp_size, params_dtype=dtype, device=device)
+                           tp=groups.tp_size, params_dtype=dtype, device=device, dense=dense)
 
 
 def load_weights(model: torch.nn.Module, preset: ModelPreset, weights: Weights) -> None:

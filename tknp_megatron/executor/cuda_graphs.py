@@ -34,7 +34,7 @@ __all__ = ["DecodeGraphs"]
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
-    inputs: object  # the executor's static inputs (StepInputs, DCPStepInputs, or a tuple of them)
+    inputs: object  # the executor's staged inputs (a GraphStep, PP's carry with one, or a tuple of them)
     tokens: torch.Tensor
 
 
@@ -146,8 +146,7 @@ def _stage(inputs, device: torch.device):
 
 def _copy_inputs(dst, src) -> None:
     """Fill captured (static) inputs from a new step's: one inputs object with a ``copy_``
-    (GraphStep, StepInputs, DCP's DCPStepInputs, a tensor) or a tuple of them (None
-    entries skipped)."""
+    (a GraphStep, a tensor) or a tuple of them (None entries skipped)."""
     if not isinstance(dst, tuple):
         dst.copy_(src)
         return

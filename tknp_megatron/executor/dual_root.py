@@ -27,7 +27,7 @@ import torch
 
 from tknp_megatron.executor.base import StepOutput
 from tknp_megatron.executor.dense import finish_layer, qkv_projection
-from tknp_megatron.executor.step_inputs import StepInputs, pad_plan, prepare_inputs
+from tknp_megatron.executor.step_inputs import GraphStep, StepInputs, host_inputs, pad_plan, prepare_inputs
 from tknp_megatron.executor.tknp import TKNPExecutor
 from tknp_megatron.models.precision import dense_autocast
 from tknp_megatron.plan import StepPlan
@@ -87,23 +87,26 @@ class DualRootExecutor(TKNPExecutor):
         super().enable_cuda_graphs(0)
 
     def graph_inputs(self, plan: StepPlan, last_tokens, max_seq_len: int):
-        """Each microbatch padded to its bucket: ``(key, (inputs | None) x 2, [R] index)``."""
-        inputs, index, at = [], [], 0
+        """Each microbatch padded to its bucket: ``(key, (GraphStep | None) x 2, [R] index)``;
+        the previous step's tokens go to the fixed buffer the captured body reads."""
+        steps, index, at = [], [], 0
         for part in plan.microbatches:
             if not part.num_requests:
-                inputs.append(None)
+                steps.append(None)
                 continue
             padded, idx = pad_plan(part, self.kv.dummy_slot)
-            inputs.append(prepare_inputs(padded, self.node, self.kv, self.rope, self.device,
-                                         max_seq_len, last_tokens))
+            steps.append(GraphStep(host_inputs(padded, self.node), max_seq_len))
             index.append(idx + at)
             at += padded.num_requests
-        key = tuple(None if i is None else i.shape for i in inputs)
-        return key, tuple(inputs), torch.cat(index)
+        if last_tokens is not None:
+            self.graph_last[: last_tokens.shape[0]].copy_(last_tokens)
+        key = tuple(None if s is None else s.key for s in steps)
+        return key, tuple(steps), torch.cat(index)
 
-    def graph_forward(self, inputs) -> torch.Tensor:
-        """The captured body: both microbatches' layers and sampling, ``[R_padded]`` tokens."""
-        hidden = self._run_layers(list(inputs))
+    def graph_forward(self, steps) -> torch.Tensor:
+        """The captured body: both microbatches' device inputs, layers and sampling, ``[R_padded]`` tokens."""
+        inputs = [None if s is None else s.inputs(self.kv, self.rope, self.graph_last) for s in steps]
+        hidden = self._run_layers(inputs)
         return torch.cat([self._sample(hidden[m], inp, False, self.placement.last_root(m)).tokens
                           for m, inp in enumerate(inputs) if inp is not None])
 

@@ -25,7 +25,7 @@ from tknp_megatron.sampling import SamplingTensors
 
 __all__ = [
     "GraphStep", "HostInputs", "RowLayout", "StepHost", "StepInputs", "StepShape", "bucket",
-    "device_inputs", "host_inputs", "pad_plan", "plan_sampling", "prepare_inputs", "row_layout",
+    "device_inputs", "feed_previous", "host_inputs", "pad_plan", "plan_sampling", "prepare_inputs", "row_layout",
     "step_tokens",
 ]
 
@@ -199,7 +199,7 @@ def device_inputs(shape: StepShape, dev: StepHost, kv: PagedKVCache, rope: Rope,
     ``last_tokens`` ``[R_prev]`` (None: no row takes a previous token): the previous
     step's sampled tokens, which rows with ``prev_index >= 0`` take as their input.
     """
-    tokens = dev.tokens if last_tokens is None else _feed_previous(dev.tokens, dev.prev_index, last_tokens)
+    tokens = dev.tokens if last_tokens is None else feed_previous(dev.tokens, dev.prev_index, last_tokens)
     meta = AttentionMetadata(
         query_start_loc=dev.query_start_loc.to(torch.int32),
         seq_lens=dev.seq_lens.to(torch.int32),
@@ -275,18 +275,23 @@ class GraphStep:
             raise ValueError(f"graph inputs of another layout: {other.key}, not {self.key}")
         self.static.copy_(other.host.tensors)
 
+    @property
+    def staged(self) -> StepHost:
+        """The fixed device buffers, as :class:`StepHost` tensors (after :meth:`stage`)."""
+        return StepHost(*self.static.views)
+
     def inputs(self, kv: PagedKVCache, rope: Rope, last: Optional[torch.Tensor]) -> StepInputs:
         """The staged step's :class:`StepInputs` (device work: the captured body's first part)."""
-        dev = StepHost(*self.static.views)
-        return device_inputs(self.key, dev, kv, rope, 1, self.max_seq_len, last)
+        return device_inputs(self.key, self.staged, kv, rope, 1, self.max_seq_len, last)
 
 
 def _prev_index(plan: StepPlan) -> Tuple[torch.Tensor, ...]:
     return () if plan.prev_token_index is None else (plan.prev_token_index,)
 
 
-def _feed_previous(tokens: torch.Tensor, index: torch.Tensor, last: Optional[torch.Tensor]) -> torch.Tensor:
-    """``[rows]`` input ids: ``last[index]`` where ``index >= 0``, else ``tokens``."""
+def feed_previous(tokens: torch.Tensor, index: torch.Tensor, last: Optional[torch.Tensor]) -> torch.Tensor:
+    """``[rows]`` input ids: ``last[index]`` where ``index >= 0``, else ``tokens`` (device
+    work only: a graph's fixed ``last`` buffer may be longer than the previous step)."""
     if last is None:
         raise RuntimeError("the plan feeds tokens of a previous step this rank has not run")
     return torch.where(index >= 0, last[index.clamp(min=0)], tokens)
@@ -295,7 +300,7 @@ def _feed_previous(tokens: torch.Tensor, index: torch.Tensor, last: Optional[tor
 def step_tokens(plan: StepPlan, device: torch.device, last_tokens: Optional[torch.Tensor]) -> torch.Tensor:
     """``[rows]`` input ids of ``plan`` on ``device`` (executors without :class:`StepInputs`)."""
     tokens, *prev = to_device((plan.tokens, *_prev_index(plan)), device)
-    return _feed_previous(tokens, prev[0], last_tokens) if prev else tokens
+    return feed_previous(tokens, prev[0], last_tokens) if prev else tokens
 
 
 def plan_sampling(plan: StepPlan, device: torch.device) -> SamplingTensors:

@@ -141,6 +141,7 @@ class StageModel(MegatronModule):
         padded_vocab_size: int,
         use_te: bool = False,
         te_fused_mlp: bool = False,
+        linear_qkv=None,
     ):
         super().__init__(config=config)
         pgc = ProcessGroupCollection.use_mpu_process_groups()
@@ -162,6 +163,8 @@ class StageModel(MegatronModule):
         spec = layer_spec(preset, use_te, te_fused_mlp)
         if use_te:  # the owners' paged attention replaces core attention: TE's would never run
             spec.submodules.self_attention.submodules.core_attention = _LOCAL_CORE_ATTENTION
+        if linear_qkv is not None:  # another QKV layer (DCP's head-structured rows)
+            spec.submodules.self_attention.submodules.linear_qkv = linear_qkv
         self.decoder = _Decoder(config, preset, self.layer_ids, post_process, spec, use_te, pgc)
         self.output_layer = None
         if post_process:
@@ -250,6 +253,7 @@ def build_stage_model(
     device: torch.device,
     dense: DenseFormat = DenseFormat(transformer_impl="local"),
     vocab_size: Optional[int] = None,
+    linear_qkv=None,
     **config_overrides,
 ) -> StageModel:
     """Build the stored part, uninitialised, on ``device``.
@@ -258,7 +262,8 @@ def build_stage_model(
     the GPU themselves (Megatron passes them the device). Fill the parameters from a
     checkpoint or :mod:`tknp_megatron.models.weights`; with an FP8 ``dense`` format, then call
     :func:`tknp_megatron.models.precision.store_fp8_weights_`. ``vocab_size`` is the
-    checkpoint's embedding rows, if any (see :func:`served_vocab_size`).
+    checkpoint's embedding rows, if any (see :func:`served_vocab_size`); ``linear_qkv``,
+    a module class for the layer spec's QKV projection instead of Megatron's.
     """
     dense = dense.resolved(device)
     config = preset.to_transformer_config(
@@ -272,10 +277,11 @@ def build_stage_model(
     if dense.use_te:
         with torch.device(device):
             model = StageModel(preset, config, layers, pre_process, post_process, vocab, True,
-                               dense.te_fused_mlp)
+                               dense.te_fused_mlp, linear_qkv)
         return model.eval()
     with torch.device("meta"):
-        model = StageModel(preset, config, layers, pre_process, post_process, vocab, False)
+        model = StageModel(preset, config, layers, pre_process, post_process, vocab, False,
+                           linear_qkv=linear_qkv)
     model = model.to_empty(device=device)
     return model.eval()
 

@@ -53,7 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--transformer-impl", default="auto", metavar="IMPL",
                    help="dense layers of every mode: local, transformer_engine or auto (TE where installed, on GPU)")
     p.add_argument("--fp8-recipe", default=None, metavar="RECIPE",
-                   help="FP8-stored GEMM weights for every mode: tensorwise or blockwise (not with dcp)")
+                   help="FP8-stored GEMM weights for every mode: tensorwise or blockwise")
     p.add_argument("--force-dual", action="store_true",
                    help="with --modes tknp-dual: two weight copies even where the pool simulator "
                         "predicts that a single copy serves the trace faster")
@@ -66,9 +66,6 @@ def parse_args(argv=None):
     problems = dense_format(args).problems(args.device)
     if not args.report_only:
         problems += trace_problems(args)
-    if args.fp8_recipe is not None and "dcp" in args.modes:
-        problems.append("--fp8-recipe with --modes dcp: DCP's head-structured QKV layer has no FP8 path; "
-                        "leave dcp out of --modes")
     if args.force_dual and Mode.TKNP_DUAL.value not in args.modes:
         problems.append("--force-dual: only with --modes tknp-dual")
     if problems:

@@ -23,7 +23,10 @@ tensorwise / blockwise). Three parts, each printed as a table and written to ``-
    a CUDA graph, per format: microseconds and the ratio to ``te``.
 
 ``--parts modes`` also runs every mode that fits one GPU (TKNP, DP, TP, PP) with the last
-format, CUDA graphs on. ``--load`` and ``--expected`` serve a checkpoint (e.g. a trained
+format, CUDA graphs on. ``--parts dcp`` runs DCP, whose head-structured QKV is its own
+layer, per format on the model's one-KV-head variant (DCP's rows need W >= Hkv; here W = 1):
+its first-token logits against Megatron's GPTModel of that variant and format, its tokens
+against TKNP's on the same variant and format, and with CUDA graphs against eager. ``--load`` and ``--expected`` serve a checkpoint (e.g. a trained
 model) and given prompts, and compare with given tokens (e.g. ``transformers``' greedy).
 ``--device cpu`` runs parts 1 and modes with ``--formats local`` only (a smoke test of this
 script: Transformer Engine needs a GPU).
@@ -67,7 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--load", default=None, metavar="DIR",
-                   help="parts 1 and modes: a Megatron checkpoint (e.g. a trained model) instead of seeded weights")
+                   help="parts 1, modes and dcp: a Megatron checkpoint (e.g. a trained model) instead of seeded weights")
     p.add_argument("--expected", default=None, metavar="FILE",
                    help='parts 1 and modes: {"prompts": [[ids]], "tokens": [[ids]]} (e.g. transformers\' '
                         "greedy tokens): serve these prompts, as many tokens as expected, and compare")
@@ -78,12 +81,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batches", type=int, nargs="+", default=[16, 64, 128])
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--parts", nargs="+", default=["tokens", "memory", "speed"],
-                   choices=("tokens", "modes", "memory", "speed"))
+                   choices=("tokens", "modes", "dcp", "memory", "speed"))
     p.add_argument("--out", default=None, metavar="FILE")
     args = p.parse_args(argv)
     if args.device == "cpu":
         args.formats = ["local"]
-        args.parts = [p for p in args.parts if p in ("tokens", "modes")]
+        args.parts = [p for p in args.parts if p in ("tokens", "modes", "dcp")]
     return args
 
 
@@ -124,7 +127,8 @@ class _Work:
             self.lengths = [args.output_len] * args.requests
 
 
-def _engine_tokens(work: _Work, mode, groups, fmt, device, dtype, args, cuda_graphs=False):
+def _engine_tokens(work: _Work, mode, groups, fmt, device, dtype, args, cuda_graphs=False,
+                   attention_backend=None):
     """``(tokens per request, [R, vocab] first-token logits or None)`` of ``mode``'s engine."""
     from tknp_megatron.engine.config import EngineConfig
     from tknp_megatron.engine.factory import build_engine
@@ -134,7 +138,8 @@ def _engine_tokens(work: _Work, mode, groups, fmt, device, dtype, args, cuda_gra
     if device.type != "cuda":
         kv = sum(len(p) + n for p, n in zip(work.prompts, work.lengths))
     config = EngineConfig(kv_tokens_per_node=kv, gpu_memory_cap_gib=args.gpu_memory_cap_gib,
-                          record_logits=not cuda_graphs, cuda_graphs=cuda_graphs)
+                          record_logits=not cuda_graphs, cuda_graphs=cuda_graphs,
+                          attention_backend=attention_backend)
     engine = build_engine(mode, work.preset, groups, config, device, dtype, weights=work.weights,
                           padded_vocab=work.padded_vocab, dense=fmt)
     results = engine.generate(work.prompts, [SamplingParams(max_new_tokens=n) for n in work.lengths])
@@ -255,6 +260,52 @@ def modes_part(args, device, dtype) -> List[dict]:
     return rows
 
 
+def dcp_part(args, device, dtype) -> List[dict]:
+    """DCP per format on the one-KV-head variant of the model (a checkpoint as it is: its
+    KV heads must not exceed the pool's one rank): first-token logits against Megatron's
+    GPTModel of the same variant, format and weights (and TKNP's against it, the yardstick);
+    tokens against TKNP's; CUDA graphs (on a GPU) against eager."""
+    import parallel_state as ps
+    from tknp_megatron.mode import Mode
+
+    work = _Work(args)
+    if not args.load:
+        work.preset = work.preset.replace(num_query_groups=1)
+        work.name += ", 1 KV head"
+    rows = []
+    for name in args.formats:
+        fmt = FORMATS[name]
+        row = dict(format=name, dense=fmt.resolved(device).describe(), model=work.name)
+        groups = ps.initialize_model_parallel(tensor_model_parallel_size=1)
+        tokens, first = _engine_tokens(work, Mode.DCP, groups, fmt, device, dtype, args)
+        tknp, tknp_first = _engine_tokens(work, Mode.TKNP, groups, fmt, device, dtype, args)
+        # TKNP with the fp32 reference attention, DCP's precision (its partial attention and
+        # merge run in fp32): how far attention's rounding alone moves the FP8 logits
+        _, tknp32_first = _engine_tokens(work, Mode.TKNP, groups, fmt, device, dtype, args,
+                                         attention_backend="torch")
+        graphed = None
+        if device.type == "cuda":
+            graphed, _ = _engine_tokens(work, Mode.DCP, groups, fmt, device, dtype, args, cuda_graphs=True)
+        ps.destroy_model_parallel()
+        ref = _megatron_first_logits(work, fmt, device, dtype)
+        row.update(megatron_first_token_agreement=float((ref.argmax(-1) == first.argmax(-1)).float().mean()),
+                   megatron_first_logit_max_diff=float((ref - first).abs().max()),
+                   vs_tknp=_agreement(tokens, tknp), vs_tknp_first_logit_max_diff=float((first - tknp_first).abs().max()),
+                   tknp_megatron_first_token_agreement=float((ref.argmax(-1) == tknp_first.argmax(-1)).float().mean()),
+                   tknp_megatron_first_logit_max_diff=float((ref - tknp_first).abs().max()),
+                   tknp_fp32_attention_megatron_first_token_agreement=float(
+                       (ref.argmax(-1) == tknp32_first.argmax(-1)).float().mean()),
+                   tknp_fp32_attention_megatron_first_logit_max_diff=float((ref - tknp32_first).abs().max()),
+                   vs_tknp_fp32_attention_first_logit_max_diff=float((first - tknp32_first).abs().max()))
+        if graphed is not None:
+            row["graphs_vs_eager"] = _agreement(graphed, tokens)["token_agreement"]
+        if work.expected is not None:
+            row["vs_expected"] = _agreement(tokens, work.expected)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 # --------------------------------------------------------------------------- part 2
 def memory_part(args, device, dtype) -> List[dict]:
     import parallel_state as ps
@@ -343,7 +394,7 @@ def main(argv=None) -> int:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    parts = dict(tokens=tokens_part, modes=modes_part, memory=memory_part, speed=speed_part)
+    parts = dict(tokens=tokens_part, modes=modes_part, dcp=dcp_part, memory=memory_part, speed=speed_part)
     out = {}
     for part in args.parts:
         try:
