@@ -33,6 +33,7 @@ import inspect
 import multiprocessing as mp
 import signal
 import socket
+import threading
 import time
 import urllib.request
 from typing import Any, Callable, Dict, List, Optional
@@ -183,13 +184,38 @@ def default_replicas() -> int:
 
 # ---------------------------------------------------------------- the HTTP process
 class _FailedAsError:
-    """megatron-core 0.16's client for its blueprints: a FAILED request raises its reason."""
+    """megatron-core 0.16's client for its blueprints: a FAILED request raises its reason,
+    and a request is registered before it is sent.
+
+    0.16 serves its blueprints with Flask, so hypercorn runs each handler, and its
+    ``add_request``, in a worker thread, while the client's reply listener runs on the main
+    event loop. ``InferenceClient.add_request`` sends first and then records the request's
+    future and submission time: a reply that arrives in between finds no entry and kills the
+    listener (``KeyError`` in ``_recv_task``; every later request gets no reply). Here the
+    entries are made first, and one thread at a time sends (a ZMQ socket is not thread-safe).
+    """
 
     def __init__(self, client):
         self._client = client
+        self._lock = threading.Lock()
 
     def add_request(self, prompt, sampling_params):
-        return _raise_if_failed(self._client.add_request(prompt, sampling_params))
+        import msgpack
+        from megatron.core.inference.headers import Headers
+
+        client = self._client
+        if not client.running.is_set():
+            raise RuntimeError("InferenceClient is not currently running.")
+        future = asyncio.get_running_loop().create_future()
+        with self._lock:
+            request_id = client.next_request_id
+            client.next_request_id += 1
+            client.completion_futures[request_id] = future
+            client.request_submission_times[request_id] = time.perf_counter()
+            client.socket.send(msgpack.packb(
+                [Headers.SUBMIT_REQUEST.value, request_id, prompt, sampling_params.serialize()],
+                use_bin_type=True))
+        return _raise_if_failed(future)
 
     def __getattr__(self, name):
         return getattr(self._client, name)
