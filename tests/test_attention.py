@@ -186,9 +186,9 @@ def test_decode_launch_per_shape():
     assert decode_launch(8, 4096, 128, 132, cfg) == DecodeLaunch(16, 128, 4, 2)  # 128 programs < 132 SMs
     assert decode_launch(256, 32768, 192, 132, cfg) == DecodeLaunch(2, 32, 4, 2)  # Nemotron's head dim
     assert decode_launch(1024, 32768, 128, 132, cfg) == DecodeLaunch(1, 64, 4, 3)  # the batch fills the GPU
-    assert decode_launch(128, 32768, 128, 132, cfg) == DecodeLaunch(4, 64, 4, 2)
+    assert decode_launch(128, 32768, 128, 132, cfg) == DecodeLaunch(4, 64, 4, 3)
     fixed = TritonConfig(block_n=16, num_splits=3)  # fields set in the config win
-    assert decode_launch(1024, 32768, 128, 132, fixed) == DecodeLaunch(3, 16, 4, 2)
+    assert decode_launch(1024, 32768, 128, 132, fixed) == DecodeLaunch(3, 16, 4, 3)
     with pytest.raises(ValueError):
         TritonConfig(prefill="flash")
 

@@ -93,3 +93,48 @@ def test_plans_cross_a_gloo_pool_in_one_collective():
         assert (cap0, cap1, cap2) == (8192, 8192, 8192)  # grow=False kept the buffer
         size = len(pickle.dumps(big, protocol=pickle.HIGHEST_PROTOCOL))
         assert cap3 == cap4 == 1 << (size - 1).bit_length()  # grown to the next power of two
+
+
+def link_worker(rank: int, world: int, plans) -> dict:
+    """Plans and a large object along a chain of :class:`PlanLink` (rank r to r + 1) over a
+    real gloo group: each rank receives from the one before and passes every object on
+    before using it, as PP's stages do; reports what arrived and the messages and capacity
+    after each object."""
+    import torch.distributed as dist
+
+    from tknp_megatron.engine.plan_broadcast import PlanLink
+
+    inbound = PlanLink(None, rank - 1, capacity=8192) if rank > 0 else None
+    outbound = PlanLink(None, rank + 1, capacity=8192) if rank < world - 1 else None
+    big = torch.arange(4000, dtype=torch.int64)  # about 32 KB pickled: over the buffer
+    log = []
+    for obj in (plans[0], big, plans[1], plans[0]):
+        got = obj if inbound is None else inbound.recv()
+        if outbound is not None:
+            outbound.send(got)
+        end = inbound or outbound
+        log.append((got, end.messages, end.capacity))
+    if outbound is not None:
+        outbound.flush()
+    dist.barrier()
+    return dict(log=log)
+
+
+def test_plans_pass_stage_to_stage_in_one_message():
+    """A plan that fits the link's buffer is one message; a larger object two (the buffer
+    with its length, then its bytes), after which both ends grow alike; every rank of a
+    three-rank chain gets every object, in order."""
+    from tknp_megatron.launch import spawn
+
+    plans = (build_plan(5, _requests(7, 2, True), (), 2),
+             build_plan(6, _requests(3, 2, False), (Admission(3, 1, 1, (4, 5, 6)),), 2))
+    big = torch.arange(4000, dtype=torch.int64)
+    size = len(pickle.dumps(big, protocol=pickle.HIGHEST_PROTOCOL))
+    for out in spawn(link_worker, 3, (plans,), timeout_s=120):
+        (p0, m0, cap0), (b1, m1, cap1), (p2, m2, cap2), (p3, m3, cap3) = out["log"]
+        _assert_same(p0, plans[0])
+        _assert_same(p2, plans[1])
+        _assert_same(p3, plans[0])
+        assert torch.equal(b1, big)
+        assert (m0, m1, m2, m3) == (1, 3, 4, 5)  # fits: one message; too large: two
+        assert cap0 == 8192 and cap1 == cap2 == cap3 == 1 << (size - 1).bit_length()

@@ -30,6 +30,11 @@ import triton.language as tl
 
 __all__ = ["launch_paged_attention", "launch_combine_splits", "launch_split_plan"]
 
+COMBINE_BLOCK_S = 16
+"""Slices the merge reads per iteration. A tile of every slice at once (``[splits, d]``
+fp32 per program) spilled registers past 128 splits on an H200 and made long contexts at
+small batches slower with more splits, not faster (``benchmarks/RESULTS.md``)."""
+
 
 # Triton specializes integer arguments on their value (== 1, divisible by 16) and compiles a
 # kernel for each combination it meets. The request count and the split count (and the
@@ -198,25 +203,35 @@ def _combine_splits_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
     BALANCED: tl.constexpr,
 ):
+    """One program per (row, head): the row's slices, ``BLOCK_S`` at a time (any count, one
+    compile), weighted by ``exp2(lse - max lse)``. Two passes over the slices' ``lse``
+    (the max, then the weighted sum of the partials), so no tile grows with the count."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
     if BALANCED:  # only the slices this row's request has were written (one row per request)
-        s_ok = s < tl.cdiv(tl.load(seq_lens_ptr + row), tl.load(split_tiles_ptr) * BLOCK_N)
+        count = tl.cdiv(tl.load(seq_lens_ptr + row), tl.load(split_tiles_ptr) * BLOCK_N)
     else:
-        s_ok = s < num_splits
-    lse = tl.load(lse_ptr + row * stride_lt + head * stride_lh + s, mask=s_ok, other=float("-inf"))
-    top = tl.max(lse, 0)
+        count = num_splits
+    lse_row = lse_ptr + row * stride_lt + head * stride_lh
+    part_row = part_ptr + row * stride_pt + head * stride_ph
+    s = tl.arange(0, BLOCK_S)
+    top = tl.full([], float("-inf"), tl.float32)
+    for s0 in range(0, count, BLOCK_S):
+        lse = tl.load(lse_row + s0 + s, mask=s0 + s < count, other=float("-inf"))
+        top = tl.maximum(top, tl.max(lse, 0))
     top = tl.where(top == float("-inf"), 0.0, top)
-    w = tl.exp2(lse - top)  # empty slices (lse = -inf) weigh 0
-    w = w / tl.maximum(tl.sum(w, 0), 1e-30)
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
-    part = tl.load(
-        part_ptr + row * stride_pt + head * stride_ph + s[:, None] * stride_ps + d[None, :],
-        mask=s_ok[:, None] & d_ok[None, :], other=0.0,
-    )
-    out = tl.sum(part * w[:, None], 0)
+    acc = tl.zeros([D_PAD], tl.float32)
+    total = tl.zeros([], tl.float32)
+    for s0 in range(0, count, BLOCK_S):
+        s_ok = s0 + s < count
+        w = tl.exp2(tl.load(lse_row + s0 + s, mask=s_ok, other=float("-inf")) - top)  # empty slices weigh 0
+        part = tl.load(part_row + (s0 + s)[:, None] * stride_ps + d[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                       other=0.0)
+        acc += tl.sum(part * w[:, None], 0)
+        total += tl.sum(w, 0)
+    out = acc / tl.maximum(total, 1e-30)
     tl.store(out_ptr + row * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
@@ -292,8 +307,6 @@ def launch_combine_splits(part, lse, out, num_splits, seq_lens=None, split_tiles
         part.stride(0), part.stride(1), part.stride(2),
         lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
-        # one block for every split count up to 64 (the heuristic's default cap): a block per
-        # count would compile a kernel for each new count an eager step meets
         HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_S=triton.next_power_of_2(max(num_splits, 64)), BLOCK_N=block_n, BALANCED=balanced, num_warps=4,
+        BLOCK_S=COMBINE_BLOCK_S, BLOCK_N=block_n, BALANCED=balanced, num_warps=4,
     )

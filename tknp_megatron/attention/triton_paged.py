@@ -169,9 +169,10 @@ def decode_launch(programs: int, max_kv_len: int, head_dim: int, num_sms: int, c
       tiles, so each program has fewer steps of its loop;
     - head dims over 128 (Nemotron's 192 pads to 256 columns): 32-token tiles, 4 warps,
       2 stages, whose registers and shared memory leave room for more programs per SM;
-    - one split (the batch fills the GPU by itself): 64-token tiles with a third
-      pipeline stage, which hides more of each program's memory latency;
-    - otherwise 64-token tiles, 4 warps, 2 stages.
+    - otherwise 64-token tiles, 4 warps and a third pipeline stage, which hides more of
+      each program's memory latency: with one split (the batch fills the GPU by itself)
+      4-8 % faster than two stages; with several, 3-13 % on the long-context shapes of
+      ``benchmarks/RESULTS.md`` ("Paged decode attention per shape").
 
     With ``balanced`` (callers whose merge reads only the slices each row has), a balance
     over 1 and more than one split, a request may take up to ``balance`` times the splits
@@ -200,10 +201,8 @@ def decode_launch(programs: int, max_kv_len: int, head_dim: int, num_sms: int, c
         tile = (128, 4, 2)
     elif head_dim > 128:
         tile = (32, 4, 2)
-    elif splits == 1:
-        tile = (64, 4, 3)
     else:
-        tile = (64, 4, 2)
+        tile = (64, 4, 3)
     block_n, warps, stages = (given if given is not None else chosen for given, chosen in
                               zip((config.block_n, config.num_warps, config.num_stages), tile))
     balance = 2 if config.balance is None else config.balance

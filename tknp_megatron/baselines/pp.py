@@ -6,9 +6,12 @@ and the pool has one logical owner). The coordinator (stage 0, TP rank 0) splits
 running requests into microbatches (each request joins the smallest at admission and
 stays there) and cycles over them: a microbatch's next step enters stage 0 as soon as
 its previous tokens come back from the last stage, so with M = N microbatches every
-stage stays busy (vLLM-style pipelining, no per-step fill and drain). Plans travel with
-the hidden state, stage to stage between matching TP ranks; the last stage returns the
-sampled tokens to the coordinator.
+stage stays busy (vLLM-style pipelining, no per-step fill and drain). A step's plan goes
+host to host over gloo (:class:`~tknp_megatron.engine.plan_broadcast.PlanLink`: from the
+coordinator to stage 0's other TP ranks, and from each stage to the next stage's
+matching TP rank as the stage starts the step), so no rank waits on its GPU to learn
+what comes next; the hidden state follows over the device group, and the last stage
+returns the sampled tokens to the coordinator.
 
 With CUDA graphs, each stage replays its own share of a pure-decode microbatch step (the
 embedding on stage 0, its layers, the sampling on the last stage) from a graph per batch
@@ -20,7 +23,6 @@ graph's buffers and sends the real rows of its output on.
 
 from __future__ import annotations
 
-import pickle
 import time
 from typing import Dict, List, Optional
 
@@ -30,6 +32,7 @@ import torch.distributed as dist
 from tknp_megatron.attention import get_backend
 from tknp_megatron.engine.base import BuiltExecutor, InferenceEngine
 from tknp_megatron.engine.kv_budget import kv_cache_spec, pool_block_counts
+from tknp_megatron.engine.plan_broadcast import PlanLink
 from tknp_megatron.executor.base import StepOutput
 from tknp_megatron.executor.dense import finish_layer, qkv_projection, vocab_logits
 from tknp_megatron.executor.ingest import Admitter, KVSlice
@@ -66,6 +69,11 @@ class PPExecutor:
         self._local: Dict[int, StepOutput] = {}  # one-stage pipeline: step -> its output
         self.graphs = None  # set by enable_cuda_graphs
         self.plan_owners = 1  # every plan has one logical owner: every stage holds every request
+        # plans stage to stage, host to host (the pool's gloo group)
+        last = self.num_stages - 1
+        cpu = groups.pool_cpu_group
+        self._plan_out = PlanLink(cpu, self._rank(self.stage + 1)) if self.stage < last else None
+        self._plan_in = PlanLink(cpu, self._rank(self.stage - 1)) if self.stage > 0 else None
 
     def enable_cuda_graphs(self, max_requests_per_owner: int = 0) -> None:
         """Replay this stage's share of pure-decode steps from CUDA graphs, one per batch
@@ -88,26 +96,21 @@ class PPExecutor:
         for work in self._pending:
             work.wait()
         self._pending = []
+        if self._plan_out is not None:
+            self._plan_out.flush()
 
-    def _send_next(self, plan: StepPlan, hidden: Optional[torch.Tensor]) -> None:
-        """Pass the plan (and hidden state) to the next stage's matching TP rank."""
-        self.flush()
-        data = torch.frombuffer(bytearray(pickle.dumps(plan)), dtype=torch.uint8).to(self.device)
-        header = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
-        dst, group = self._rank(self.stage + 1), self.groups.tknp_group
-        self._pending = [dist.isend(header, dst, group=group), dist.isend(data, dst, group=group)]
-        if hidden is not None:
-            self._pending.append(dist.isend(hidden.contiguous(), dst, group=group))
-        self._keep = (header, data, hidden)  # alive until the sends complete
+    def _send_hidden(self, hidden: torch.Tensor) -> None:
+        """The hidden state ``[rows, 1, D]`` to the next stage's matching TP rank."""
+        for work in self._pending:
+            work.wait()
+        hidden = hidden.contiguous()
+        self._pending = [dist.isend(hidden, self._rank(self.stage + 1), group=self.groups.tknp_group)]
+        self._keep = hidden  # alive until the send completes
 
     def receive_plan(self) -> StepPlan:
-        """Stages 1..N-1: the next plan from the previous stage's matching TP rank."""
-        src, group = self._rank(self.stage - 1), self.groups.tknp_group
-        header = torch.empty(1, dtype=torch.int64, device=self.device)
-        dist.recv(header, src, group=group)
-        data = torch.empty(int(header), dtype=torch.uint8, device=self.device)
-        dist.recv(data, src, group=group)
-        return pickle.loads(data.cpu().numpy().tobytes())
+        """Stages 1..N-1: the next plan from the previous stage's matching TP rank (host to
+        host: no wait on either GPU)."""
+        return self._plan_in.recv()
 
     def _receive_hidden(self, plan: StepPlan) -> torch.Tensor:
         """``[rows, 1, D]`` hidden state of ``plan`` from the previous stage."""
@@ -117,8 +120,8 @@ class PPExecutor:
 
     def stop(self, plan: StepPlan) -> None:
         """Pass the stop plan down the pipeline and wait for the sends in flight."""
-        if self.stage < self.num_stages - 1:
-            self._send_next(plan, None)
+        if self._plan_out is not None:
+            self._plan_out.send(plan)
         self.flush()
 
     def receive_tokens(self, plan: StepPlan) -> StepOutput:
@@ -149,6 +152,8 @@ class PPExecutor:
         """This stage's share of ``plan``: the hidden state from the previous stage (stages
         > 0), its layers, then on to the next stage; the last stage returns the tokens
         ``[R]`` (and logits ``[R, V]``) and sends them to the coordinator."""
+        if self._plan_out is not None:  # the next stage learns the step before this one runs it
+            self._plan_out.send(plan)
         hidden = self._receive_hidden(plan) if self.stage > 0 else None
         self.apply_admissions(plan.admissions)
         use_graph = (self.graphs is not None and timer is None and plan.num_requests and plan.max_query_len == 1
@@ -160,7 +165,7 @@ class PPExecutor:
             else:
                 out = self._run(plan, hidden)
         if self.stage < self.num_stages - 1:
-            self._send_next(plan, out)
+            self._send_hidden(out)
             return None
         if not plan.num_requests:
             return None
@@ -239,6 +244,14 @@ class PPInferenceEngine(InferenceEngine):
         self.num_microbatches = num_microbatches or self.groups.num_nodes
         self._awaiting: List[Optional[StepPlan]] = [None] * self.num_microbatches  # tokens due
         self._cursor = 0  # the microbatch the coordinator's next tick serves
+        # stage 0's plans, host to host: the coordinator to each other TP rank of stage 0
+        g = self.groups
+        if g.is_coordinator:
+            self._stage0 = [PlanLink(g.pool_cpu_group, g.global_rank(0, t)) for t in range(1, g.tp_size)]
+        elif g.node == 0:
+            self._stage0 = [PlanLink(g.pool_cpu_group, g.coordinator_rank)]
+        else:
+            self._stage0 = []
 
     def _build_executor(self, model) -> BuiltExecutor:
         layers = len(model.layer_ids)
@@ -313,20 +326,19 @@ class PPInferenceEngine(InferenceEngine):
         stop = StepPlan.stop_plan(1)
         self._to_stage0(stop)
         self.executor.stop(stop)
+        for link in self._stage0:
+            link.flush()
 
     def _to_stage0(self, plan: StepPlan) -> None:
-        if self.groups.tp_size > 1:
-            dist.broadcast_object_list([plan], src=self.groups.coordinator_rank,
-                                       group=self.groups.tp_group)
+        for link in self._stage0:
+            link.send(plan)
 
     def _follow(self) -> bool:
         """One plan on a rank other than the coordinator: stage 0's other TP ranks take it
         from the coordinator, later stages from the previous stage; False on the stop plan."""
         start = time.perf_counter()
         if self.groups.node == 0:
-            box = [None]
-            dist.broadcast_object_list(box, src=self.groups.coordinator_rank, group=self.groups.tp_group)
-            plan = box[0]
+            plan = self._stage0[0].recv()
         else:
             plan = self.executor.receive_plan()
         if plan.stop:

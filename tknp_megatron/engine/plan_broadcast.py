@@ -1,4 +1,6 @@
-"""The coordinator's step plans to the rest of the pool, host to host, one collective a step.
+"""Step plans host to host over gloo: to the whole pool in one collective a step
+(:class:`PlanBroadcast`), or from one rank to another in one message (:class:`PlanLink`,
+PP's stage-to-stage plans).
 
 ``torch.distributed.broadcast_object_list`` runs two collectives per call (the pickle's
 size, then its bytes), each a round over the pool's gloo group. Here the pool keeps a
@@ -18,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["PlanBroadcast", "INITIAL_CAPACITY", "MAX_CAPACITY"]
+__all__ = ["PlanBroadcast", "PlanLink", "INITIAL_CAPACITY", "MAX_CAPACITY"]
 
 INITIAL_CAPACITY = 16 << 10
 """Payload bytes the buffer starts with (a 64-request decode plan pickles to about 5 KB)."""
@@ -79,6 +81,72 @@ class PlanBroadcast:
     def _broadcast(self, tensor: torch.Tensor) -> None:
         dist.broadcast(tensor, src=self.src, group=self.group)
         self.collectives += 1
+
+
+class PlanLink:
+    """Pickled objects from one rank to one peer over gloo (host memory), in order.
+
+    The sender's and the receiver's ends are two objects, one on each rank; each message is
+    the fixed buffer (length, then the pickle), plus the pickle in a second message when
+    it does not fit, after which both ends grow their buffers alike (up to
+    :data:`MAX_CAPACITY`). A send does not wait for the receiver: it waits only for the
+    previous send from the same end, whose buffer it reuses.
+
+    Args:
+        group: a gloo group holding both ranks (the pool's).
+        peer: the other end's global rank.
+        capacity: initial payload bytes of the fixed buffer.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup], peer: int, capacity: int = INITIAL_CAPACITY):
+        self.group, self.peer = group, peer
+        self._buffer = torch.zeros(_HEADER + capacity, dtype=torch.uint8)
+        self._pending: list = []  # works of the send in flight
+        self._keep: list = []  # its tensors, alive until it completes
+        self.messages = 0  # messages sent or received so far
+
+    @property
+    def capacity(self) -> int:
+        return self._buffer.numel() - _HEADER
+
+    def flush(self) -> None:
+        """Wait for the send in flight."""
+        for work in self._pending:
+            work.wait()
+        self._pending, self._keep = [], []
+
+    def send(self, obj: Any) -> None:
+        """Send ``obj`` to the peer (returns once it is on its way)."""
+        self.flush()
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        buf = self._buffer.numpy()
+        buf[:_HEADER].view(np.int64)[0] = len(data)
+        fits = len(data) <= self.capacity
+        if fits:
+            buf[_HEADER : _HEADER + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        self._pending.append(dist.isend(self._buffer, self.peer, group=self.group))
+        self._keep = [self._buffer]  # the tensors in flight, alive until flush
+        if not fits:
+            self._keep.append(torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy()))
+            self._pending.append(dist.isend(self._keep[-1], self.peer, group=self.group))
+            if len(data) <= MAX_CAPACITY:  # the receiver grows alike
+                self._buffer = torch.zeros(_HEADER + _next_power_of_two(len(data)), dtype=torch.uint8)
+        self.messages += 1 + (not fits)
+
+    def recv(self) -> Any:
+        """The peer's next object (blocks until it arrives)."""
+        dist.recv(self._buffer, self.peer, group=self.group)
+        buf = self._buffer.numpy()
+        size = int(buf[:_HEADER].view(np.int64)[0])
+        self.messages += 1
+        if size <= self.capacity:
+            return pickle.loads(memoryview(buf[_HEADER : _HEADER + size]))
+        big = torch.empty(size, dtype=torch.uint8)
+        dist.recv(big, self.peer, group=self.group)
+        self.messages += 1
+        if size <= MAX_CAPACITY:
+            self._buffer = torch.zeros(_HEADER + _next_power_of_two(size), dtype=torch.uint8)
+        return pickle.loads(memoryview(big.numpy()))
 
 
 def _next_power_of_two(n: int) -> int:
