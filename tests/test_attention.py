@@ -164,8 +164,9 @@ def test_cases_poison_unowned_slots():
 def test_split_heuristic():
     from tknp_megatron.attention.triton_paged import TritonConfig, choose_num_splits
 
-    cfg = TritonConfig()  # waves 4, >= 256 tokens a split, <= 64 splits
-    assert choose_num_splits(8, 131072, 132, cfg) == 64  # few programs, long context: cap
+    cfg = TritonConfig()  # waves 4, >= 256 tokens a split, <= 256 splits
+    assert choose_num_splits(8, 131072, 132, cfg) == 66  # few programs, long context: floor(528 / 8)
+    assert choose_num_splits(1, 131072, 132, cfg) == 256  # one program: the cap
     assert choose_num_splits(8, 4096, 132, cfg) == 16  # bounded by 4096 / 256
     assert choose_num_splits(32, 32768, 132, cfg) == 16  # floor(528 / 32): one resident wave
     assert choose_num_splits(128, 32768, 132, cfg) == 4

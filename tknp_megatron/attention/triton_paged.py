@@ -70,7 +70,9 @@ class TritonConfig:
             for prefill).
         num_splits: fixed number of KV splits (e.g. for CUDA graphs); ``None`` picks it
             per step with :func:`choose_num_splits`.
-        max_splits: upper bound of the heuristic.
+        max_splits: upper bound of the heuristic. 256: one request at 128K with one KV
+            head took 1.68x SDPA's time on an H200 at 64 splits (half the SMs idle) and
+            1.09x at 256 (``benchmarks/RESULTS.md``, "Paged decode attention per shape").
         min_split_tokens: fewest context tokens the heuristic gives a split.
         waves: programs per SM the heuristic fills the GPU with (one resident wave).
         balance: decode with mixed lengths: ``> 1`` cuts every request's context into
@@ -90,7 +92,7 @@ class TritonConfig:
     num_warps: Optional[int] = None
     num_stages: Optional[int] = None
     num_splits: Optional[int] = None
-    max_splits: int = 64
+    max_splits: int = 256
     min_split_tokens: int = 256
     waves: int = 4
     balance: Optional[int] = None
