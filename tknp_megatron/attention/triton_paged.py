@@ -173,8 +173,8 @@ def decode_launch(programs: int, max_kv_len: int, head_dim: int, num_sms: int, c
       2 stages, whose registers and shared memory leave room for more programs per SM;
     - otherwise 64-token tiles, 4 warps and a third pipeline stage, which hides more of
       each program's memory latency: with one split (the batch fills the GPU by itself)
-      4-8 % faster than two stages; with several, 3-13 % on the long-context shapes of
-      ``benchmarks/RESULTS.md`` ("Paged decode attention per shape").
+      4-8 % faster than two stages; with several, a median 3 % and up to 13 % on the
+      long-context shapes of ``benchmarks/RESULTS.md`` ("Paged decode attention per shape").
 
     With ``balanced`` (callers whose merge reads only the slices each row has), a balance
     over 1 and more than one split, a request may take up to ``balance`` times the splits
