@@ -31,7 +31,41 @@ MAX_CAPACITY = 1 << 20
 _HEADER = 8  # int64 payload length
 
 
-class PlanBroadcast:
+class _Framed:
+    """The fixed host buffer both transports send: an int64 payload length, then the pickle
+    (when it fits); a larger pickle travels in a second message and grows the buffer."""
+
+    def __init__(self, capacity: int) -> None:
+        self._buffer = torch.zeros(_HEADER + capacity, dtype=torch.uint8)
+
+    @property
+    def capacity(self) -> int:
+        return self._buffer.numel() - _HEADER
+
+    def _pack(self, obj: Any) -> bytes:
+        """Pickle ``obj`` into the buffer (its length always, its bytes if they fit)."""
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        buf = self._buffer.numpy()
+        buf[:_HEADER].view(np.int64)[0] = len(data)
+        if len(data) <= self.capacity:
+            buf[_HEADER : _HEADER + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        return data
+
+    def _size(self) -> int:
+        """The payload length the buffer holds."""
+        return int(self._buffer.numpy()[:_HEADER].view(np.int64)[0])
+
+    def _inline(self, size: int) -> memoryview:
+        return memoryview(self._buffer.numpy()[_HEADER : _HEADER + size])
+
+    def _grow(self, size: int) -> None:
+        """Fit objects of ``size`` bytes from now on (both ends do it alike), up to
+        :data:`MAX_CAPACITY`."""
+        if size <= MAX_CAPACITY:
+            self._buffer = torch.zeros(_HEADER + _next_power_of_two(size), dtype=torch.uint8)
+
+
+class PlanBroadcast(_Framed):
     """Pickled objects from ``src`` to every rank of ``group`` (gloo, host memory).
 
     Every rank of the group calls :meth:`__call__` in the same order; ``src`` passes the
@@ -44,46 +78,36 @@ class PlanBroadcast:
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup], src: int, capacity: int = INITIAL_CAPACITY):
+        super().__init__(capacity)
         self.group, self.src = group, src
         self.is_src = dist.get_rank() == src
-        self._buffer = torch.zeros(_HEADER + capacity, dtype=torch.uint8)
         self.collectives = 0  # broadcasts issued so far (one per object that fits)
-
-    @property
-    def capacity(self) -> int:
-        return self._buffer.numel() - _HEADER
 
     def __call__(self, obj: Any = None, grow: bool = True) -> Any:
         """Broadcast ``obj`` (on ``src``); every rank returns the object. ``grow=False``:
         an object too large for the buffer does not grow it (a one-off, such as results)."""
-        buf = self._buffer.numpy()
-        data = b""
-        if self.is_src:
-            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-            buf[:_HEADER].view(np.int64)[0] = len(data)
-            if len(data) <= self.capacity:
-                buf[_HEADER : _HEADER + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        data = self._pack(obj) if self.is_src else b""
         self._broadcast(self._buffer)
-        size = int(buf[:_HEADER].view(np.int64)[0])
+        size = self._size()
         if size <= self.capacity:
-            payload = buf[_HEADER : _HEADER + size]
+            payload = self._inline(size)
         else:  # too large for the buffer: its bytes in a second collective
             big = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy()) if self.is_src else (
                 torch.empty(size, dtype=torch.uint8))
             self._broadcast(big)
-            payload = big.numpy()
-            if grow and size <= MAX_CAPACITY:  # every rank knows the size: all grow alike
-                self._buffer = torch.zeros(_HEADER + _next_power_of_two(size), dtype=torch.uint8)
+            payload = memoryview(big.numpy())
+            if grow:  # every rank knows the size: all grow alike
+                self._grow(size)
         if self.is_src:
             return obj
-        return pickle.loads(memoryview(payload))
+        return pickle.loads(payload)
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         dist.broadcast(tensor, src=self.src, group=self.group)
         self.collectives += 1
 
 
-class PlanLink:
+class PlanLink(_Framed):
     """Pickled objects from one rank to one peer over gloo (host memory), in order.
 
     The sender's and the receiver's ends are two objects, one on each rank; each message is
@@ -99,15 +123,11 @@ class PlanLink:
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup], peer: int, capacity: int = INITIAL_CAPACITY):
+        super().__init__(capacity)
         self.group, self.peer = group, peer
-        self._buffer = torch.zeros(_HEADER + capacity, dtype=torch.uint8)
         self._pending: list = []  # works of the send in flight
         self._keep: list = []  # its tensors, alive until it completes
         self.messages = 0  # messages sent or received so far
-
-    @property
-    def capacity(self) -> int:
-        return self._buffer.numel() - _HEADER
 
     def flush(self) -> None:
         """Wait for the send in flight."""
@@ -118,34 +138,27 @@ class PlanLink:
     def send(self, obj: Any) -> None:
         """Send ``obj`` to the peer (returns once it is on its way)."""
         self.flush()
-        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        buf = self._buffer.numpy()
-        buf[:_HEADER].view(np.int64)[0] = len(data)
+        data = self._pack(obj)
         fits = len(data) <= self.capacity
-        if fits:
-            buf[_HEADER : _HEADER + len(data)] = np.frombuffer(data, dtype=np.uint8)
         self._pending.append(dist.isend(self._buffer, self.peer, group=self.group))
         self._keep = [self._buffer]  # the tensors in flight, alive until flush
         if not fits:
             self._keep.append(torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy()))
             self._pending.append(dist.isend(self._keep[-1], self.peer, group=self.group))
-            if len(data) <= MAX_CAPACITY:  # the receiver grows alike
-                self._buffer = torch.zeros(_HEADER + _next_power_of_two(len(data)), dtype=torch.uint8)
+            self._grow(len(data))  # the receiver grows alike; the old buffer stays in _keep
         self.messages += 1 + (not fits)
 
     def recv(self) -> Any:
         """The peer's next object (blocks until it arrives)."""
         dist.recv(self._buffer, self.peer, group=self.group)
-        buf = self._buffer.numpy()
-        size = int(buf[:_HEADER].view(np.int64)[0])
+        size = self._size()
         self.messages += 1
         if size <= self.capacity:
-            return pickle.loads(memoryview(buf[_HEADER : _HEADER + size]))
+            return pickle.loads(self._inline(size))
         big = torch.empty(size, dtype=torch.uint8)
         dist.recv(big, self.peer, group=self.group)
         self.messages += 1
-        if size <= MAX_CAPACITY:
-            self._buffer = torch.zeros(_HEADER + _next_power_of_two(size), dtype=torch.uint8)
+        self._grow(size)
         return pickle.loads(memoryview(big.numpy()))
 
 
