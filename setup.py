@@ -21,10 +21,12 @@ setup(
     entry_points={
         "console_scripts": [
             "tknp-bench-attention = tknp_megatron.tools.bench_attention:cli",
+            "tknp-bench-dense = tknp_megatron.tools.bench_dense:main",
             "tknp-bench-host = tknp_megatron.tools.bench_host:main",
             "tknp-bench-megatron-engine = tknp_megatron.tools.bench_megatron_engine:cli",
             "tknp-bench-serving = tknp_megatron.tools.bench_serving:main",
             "tknp-bench-step = tknp_megatron.tools.bench_step:main",
+            "tknp-bench-vllm = tknp_megatron.tools.bench_vllm:cli",
             "tknp-capacity-report = tknp_megatron.tools.capacity_report:main",
             "tknp-convert-hf = tknp_megatron.tools.convert_hf_checkpoint:main",
             "tknp-traffic-report = tknp_megatron.tools.traffic_report:main",

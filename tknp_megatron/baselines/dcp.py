@@ -58,6 +58,7 @@ from tknp_megatron.engine.engine import LockstepEngine
 from tknp_megatron.engine.kv_budget import budget_blocks, pool_block_counts
 from tknp_megatron.executor.base import StepOutput
 from tknp_megatron.executor.dense import finish_layer, qkv_projection, vocab_logits
+from tknp_megatron.executor.dense_fusion import DenseFusion, dense_fusion_for
 from tknp_megatron.executor.ingest import Admitter, KVSlice
 from tknp_megatron.executor.rope import Rope
 from tknp_megatron.executor.step_inputs import GraphStep, host_inputs, pad_plan
@@ -140,10 +141,11 @@ class DCPExecutor:
     """
 
     def __init__(self, model, groups: TokenParallelGroups, dcp: DCPGroups, kv: PagedKVCache,
-                 rope: Rope, vocab_size: int, device: torch.device):
+                 rope: Rope, vocab_size: int, device: torch.device, fusion: Optional[DenseFusion] = None):
         cfg = model.config
         self.model, self.groups, self.dcp, self.kv, self.rope = model, groups, dcp, kv, rope
         self.vocab_size, self.device = vocab_size, device
+        self.fusion = fusion  # the root's fused element-wise kernels (None: Megatron's modules)
         self.num_layers = cfg.num_layers
         self.num_kv_heads = cfg.num_query_groups
         self.heads = cfg.num_attention_heads // groups.tp_size  # own q heads
@@ -224,7 +226,7 @@ class DCPExecutor:
     def _layer(self, layer: int, hidden: torch.Tensor, inp: DCPStepInputs) -> torch.Tensor:
         block = self.model.layer(layer)
         rows, h, d = hidden.shape[0], self.heads, self.head_dim
-        qkv = qkv_projection(block, hidden).view(rows, h + 2, d)  # own q heads, k, v
+        qkv = qkv_projection(block, hidden, self.fusion).view(rows, h + 2, d)  # own q heads, k, v
         q = self.rope.apply(qkv[:, :h], inp.freqs)
         k = self.rope.apply(qkv[:, h : h + 1], inp.freqs)
         v = qkv[:, h + 1 : h + 2]
@@ -236,7 +238,7 @@ class DCPExecutor:
         attend = partial_attention_triton if inp.decode and self.fused_decode else partial_attention
         out, lse = attend(self._gather_queries(q), k_cache, v_cache, inp.attn, self.scale)
         attn = self._merge(out, lse).to(self.dtype).reshape(rows, 1, h * d)
-        return finish_layer(block, attn, hidden)
+        return finish_layer(block, attn, hidden, self.fusion)
 
     def _gather_queries(self, q: torch.Tensor) -> torch.Tensor:
         """``[rows, h, d]`` own heads -> ``[rows, D h, d]`` the group's heads, in head order."""
@@ -295,7 +297,8 @@ class DCPInferenceEngine(LockstepEngine):
         block_counts = pool_block_counts(spec, self.groups, self.device)
         kv = PagedKVCache(spec.with_blocks(block_counts[0]), self.device)
         rope = Rope(self.preset, model.config, self.device)
-        executor = DCPExecutor(model, self.groups, self.dcp, kv, rope, self.preset.vocab_size, self.device)
+        fusion = dense_fusion_for(model, self.device, self.config.fused_elementwise)
+        executor = DCPExecutor(model, self.groups, self.dcp, kv, rope, self.preset.vocab_size, self.device, fusion)
         return BuiltExecutor(executor, kv, tuple(block_counts))
 
     def _problem(self, req):

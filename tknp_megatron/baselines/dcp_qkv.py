@@ -157,9 +157,9 @@ def build_dcp_model(preset, layers, *, pre_process: bool, post_process: bool, tp
     """Megatron's StageModel with TP = W whose layer spec's ``linear_qkv`` is DCP's:
     :class:`DCPQKVLinear` with local layers, the TE fused norm + linear of
     :class:`~tknp_megatron.baselines.dcp_qkv_te.DCPTEQKVLinear` with Transformer Engine
-    (its FP8 weights too). Megatron's own uneven split of the fused QKV is never built, and
-    a layer rebuilt from the spec (FP8 storage, :func:`~tknp_megatron.models.precision.store_fp8_weights_`)
-    is DCP's again.
+    (its FP8 weights too). Megatron's own uneven split of the fused QKV is never built: a
+    layer built FP8-stored from the spec and its staging copy in the run's dtype, which a
+    weight source fills (:mod:`~tknp_megatron.models.layer_rounds`), are both DCP's.
     """
     dense = dense.resolved(device)
     if dense.use_te:

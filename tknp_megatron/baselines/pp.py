@@ -35,6 +35,7 @@ from tknp_megatron.engine.kv_budget import kv_cache_spec, pool_block_counts
 from tknp_megatron.engine.plan_broadcast import PlanLink
 from tknp_megatron.executor.base import StepOutput
 from tknp_megatron.executor.dense import finish_layer, qkv_projection, vocab_logits
+from tknp_megatron.executor.dense_fusion import DenseFusion, dense_fusion_for
 from tknp_megatron.executor.ingest import Admitter, KVSlice
 from tknp_megatron.executor.owner_attention import OwnerAttention
 from tknp_megatron.executor.rope import Rope
@@ -52,10 +53,12 @@ class PPExecutor:
     """One stage's share of a microbatch step: receive, run its layers, pass on (an
     :class:`~tknp_megatron.executor.base.Executor`)."""
 
-    def __init__(self, model, placement, groups, kv: PagedKVCache, rope, backend, vocab, device):
+    def __init__(self, model, placement, groups, kv: PagedKVCache, rope, backend, vocab, device,
+                 fusion: Optional[DenseFusion] = None):
         cfg = model.config
         self.model, self.groups, self.kv, self.rope = model, groups, kv, rope
         self.vocab, self.device, self.dtype = vocab, device, cfg.params_dtype
+        self.fusion = fusion  # the root's fused element-wise kernels (None: Megatron's modules)
         self.stage, self.num_stages = groups.node, groups.num_nodes
         t = groups.tp_size
         local_kv_heads = cfg.num_query_groups // t
@@ -199,8 +202,8 @@ class PPExecutor:
             hidden = self.model.embedding(inp.tokens.unsqueeze(0), position_ids=None)
         for layer in self.model.layer_ids:
             block = self.model.layer(layer)
-            attn = self.attend(self.local_layer[layer], qkv_projection(block, hidden), inp)
-            hidden = finish_layer(block, attn.unsqueeze(1), hidden)
+            attn = self.attend(self.local_layer[layer], qkv_projection(block, hidden, self.fusion), inp)
+            hidden = finish_layer(block, attn.unsqueeze(1), hidden, self.fusion)
         if self.stage < self.num_stages - 1:
             return hidden
         groups = self.groups
@@ -262,7 +265,8 @@ class PPInferenceEngine(InferenceEngine):
         rope = Rope(self.preset, model.config, self.device)
         backend = get_backend(self.config.attention_backend, self.device)
         executor = PPExecutor(model, self.placement, self.groups, kv, rope, backend,
-                              self.preset.vocab_size, self.device)
+                              self.preset.vocab_size, self.device,
+                              dense_fusion_for(model, self.device, self.config.fused_elementwise))
         return BuiltExecutor(executor, kv, (blocks,))
 
     # ---------------------------------------------------------------- serving

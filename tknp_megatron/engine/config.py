@@ -43,6 +43,11 @@ class EngineConfig:
             whichever step it fell in).
         microbatches: 2 runs dual-active-root microbatching (needs a dual placement;
             :mod:`tknp_megatron.executor.dual_root`), 1 the single-copy schedule.
+        fused_elementwise: the element-wise work between the root's GEMMs (norms, residual
+            adds, activation) as fused Triton kernels on the same modules' parameters
+            (:mod:`tknp_megatron.executor.dense_fusion`): None on GPUs only, True wherever
+            Triton runs (GPUs, or CPUs under ``TRITON_INTERPRET=1``: tests), False never
+            (Megatron's modules).
     """
 
     block_size: int = 16
@@ -58,6 +63,7 @@ class EngineConfig:
     capture_at_start: bool = True
     freeze_gc: bool = True
     microbatches: int = 1
+    fused_elementwise: Optional[bool] = None
 
     def __post_init__(self):
         if self.microbatches not in (1, 2):

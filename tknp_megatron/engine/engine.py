@@ -25,6 +25,7 @@ from tknp_megatron.engine.config import EngineConfig, GenerationResult
 from tknp_megatron.engine.intake import Arrival
 from tknp_megatron.engine.kv_budget import kv_cache_spec, pool_block_counts
 from tknp_megatron.engine.request import Request
+from tknp_megatron.executor.dense_fusion import dense_fusion_for
 from tknp_megatron.executor.ingest import KVIngest
 from tknp_megatron.executor.rope import Rope
 from tknp_megatron.executor.tknp import TKNPExecutor
@@ -144,5 +145,7 @@ class TKNPInferenceEngine(LockstepEngine):
         cls = TKNPExecutor
         if self.config.microbatches == 2:
             from tknp_megatron.executor.dual_root import DualRootExecutor as cls
-        executor = cls(model, self.placement, groups, kv, rope, backend, preset.vocab_size, device, ingest)
+        fusion = dense_fusion_for(model, device, self.config.fused_elementwise)
+        executor = cls(model, self.placement, groups, kv, rope, backend, preset.vocab_size, device, ingest,
+                       fusion)
         return BuiltExecutor(executor, kv, tuple(block_counts), ingest)

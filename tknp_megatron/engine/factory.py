@@ -25,8 +25,9 @@ from tknp_megatron.engine.base import InferenceEngine
 from tknp_megatron.engine.config import EngineConfig
 from tknp_megatron.engine.engine import TKNPInferenceEngine
 from tknp_megatron.mode import Mode
+from tknp_megatron.models.layer_rounds import LayerRounds, fill_in_rounds_, plan_layer_rounds
 from tknp_megatron.models.model import StageModel, build_rank_model
-from tknp_megatron.models.precision import DenseFormat, store_fp8_weights_
+from tknp_megatron.models.precision import DenseFormat
 from tknp_megatron.models.weights import fill_seeded_
 from tknp_megatron.placement import Placement, balanced_placement
 
@@ -38,7 +39,10 @@ __all__ = [
 Weights = Union[int, str, os.PathLike, Callable[[torch.nn.Module], None]]
 """Where weights come from: an int seeds them (:func:`~tknp_megatron.models.weights.fill_seeded_`),
 a path is a ``torch_dist`` checkpoint directory (loaded collectively, each rank reading only
-its own blocks), a callable fills the model itself."""
+its own blocks), a callable fills the model itself, as built: with an FP8 format it then
+writes into FP8 parameters (``param.copy_(t)`` or ``load_state_dict`` quantizes ``t`` with
+the recipe). Seeds and checkpoints fill FP8-stored layers through one-layer staging copies
+in the run's dtype (:mod:`~tknp_megatron.models.layer_rounds`)."""
 
 _ONE_NODE = (Mode.DP, Mode.TP, Mode.DCP)  # pools of a single node
 
@@ -66,8 +70,8 @@ def build_model(mode: Mode, preset: ModelPreset, placement: Placement, groups: T
                 dtype: torch.dtype, device: torch.device, *,
                 padded_vocab: Optional[int] = None,
                 dense: DenseFormat = DenseFormat(transformer_impl="local")) -> StageModel:
-    """This rank's blocks, uninitialised (fill them with :func:`load_weights`; with FP8,
-    then :func:`~tknp_megatron.models.precision.store_fp8_weights_`).
+    """This rank's blocks, uninitialised (fill them with :func:`load_weights`); with an FP8
+    ``dense`` format the transformer layers are FP8-stored from the start.
 
     ``padded_vocab`` is a checkpoint's embedding rows (default: Megatron's padding).
     """
@@ -84,16 +88,30 @@ def build_model(mode: Mode, preset: ModelPreset, placement: Placement, groups: T
                            tp=groups.tp_size, params_dtype=dtype, device=device, dense=dense)
 
 
-def load_weights(model: torch.nn.Module, preset: ModelPreset, weights: Weights) -> None:
-    """Fill ``model`` (a StageModel or Megatron GPTModel) from ``weights`` (see :data:`Weights`)."""
+def load_weights(model: torch.nn.Module, preset: ModelPreset, weights: Weights,
+                 rounds: Optional[LayerRounds] = None) -> None:
+    """Fill ``model`` (a StageModel or Megatron GPTModel) from ``weights`` (see :data:`Weights`).
+
+    A seed or checkpoint fills a StageModel whose layers store FP8 in rounds of one layer,
+    each through a staging copy in the run's dtype (:func:`~tknp_megatron.models.layer_rounds.plan_layer_rounds`),
+    so the rank never holds its block in that dtype; ``rounds`` gives other rounds (for a
+    checkpoint every rank passes rounds or none: the load is collective). Otherwise the model
+    is filled at once.
+    """
     if callable(weights):
         weights(model)
-    elif isinstance(weights, (str, os.PathLike)):
+        return
+    if rounds is None and isinstance(model, StageModel) and model.fp8_layers:
+        rounds = plan_layer_rounds(model)
+    if isinstance(weights, (str, os.PathLike)):
         from tknp_megatron.models.checkpoint import load_megatron_checkpoint
 
-        load_megatron_checkpoint(model, weights)
+        load_megatron_checkpoint(model, weights, rounds)
     elif isinstance(weights, int) and not isinstance(weights, bool):
-        fill_seeded_(model, preset, weights)
+        if rounds is None:
+            fill_seeded_(model, preset, weights)
+        else:
+            fill_in_rounds_(model, lambda part: fill_seeded_(part, preset, weights), rounds)
     else:
         raise TypeError(f"weights must be a seed, a checkpoint path or a loader, got {weights!r}")
 
@@ -148,9 +166,7 @@ def build_engine(
     placement = placement_for(mode, preset, groups, dense)
     model = build_model(mode, preset, placement, groups, dtype, device, padded_vocab=padded_vocab,
                         dense=dense)
-    load_weights(model, preset, weights)
-    if dense.fp8:
-        store_fp8_weights_(model)
+    load_weights(model, preset, weights)  # FP8 layers: one layer at a time, see load_weights
     if mode is Mode.DCP:
         from tknp_megatron.baselines.dcp import DCPInferenceEngine, init_dcp_groups
 

@@ -2,29 +2,41 @@
 
 Shared by TKNP and the baselines: the input norm + QKV projection, then (after
 attention) linear_proj, bias-dropout-add, pre-MLP norm, MLP, bias-dropout-add; and the
-final norm + vocab-parallel output layer with the TP all-gather of the logits.
+final norm + vocab-parallel output layer with the TP all-gather of the logits. With a
+:class:`~tknp_megatron.executor.dense_fusion.DenseFusion` (GPUs) the element-wise steps
+between the GEMMs run as fused kernels on the same modules' parameters.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
+
+from tknp_megatron.executor.dense_fusion import DenseFusion
 
 __all__ = ["qkv_projection", "finish_layer", "vocab_logits"]
 
 
-def qkv_projection(block, hidden: torch.Tensor) -> torch.Tensor:
+def qkv_projection(block, hidden: torch.Tensor, fusion: Optional[DenseFusion] = None) -> torch.Tensor:
     """``[rows, 1, D]`` -> ``[rows, qkv_width / T]`` (this TP rank's fused QKV columns)."""
-    qkv, _ = block.self_attention.linear_qkv(block.input_layernorm(hidden))
+    normed = fusion.input_norm(block, hidden) if fusion is not None else block.input_layernorm(hidden)
+    qkv, _ = block.self_attention.linear_qkv(normed)
     return qkv.view(hidden.shape[0], qkv.shape[-1])
 
 
-def finish_layer(block, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+def finish_layer(block, attn: torch.Tensor, residual: torch.Tensor,
+                 fusion: Optional[DenseFusion] = None) -> torch.Tensor:
     """Attention output ``[rows, 1, heads * d / T]`` and residual ``[rows, 1, D]`` -> ``[rows, 1, D]``."""
     cfg = block.config
-    out = block.self_attention.linear_proj(attn)
-    hidden = block.self_attn_bda(False, cfg.bias_dropout_fusion)(out, residual, block.hidden_dropout)
-    mlp_out = block.mlp(block.pre_mlp_layernorm(hidden))
+    out, bias = block.self_attention.linear_proj(attn)
+    if fusion is None:
+        hidden = block.self_attn_bda(False, cfg.bias_dropout_fusion)((out, bias), residual, block.hidden_dropout)
+        mlp_out = block.mlp(block.pre_mlp_layernorm(hidden))
+    else:
+        hidden, normed = fusion.add_norm(block, out, bias, residual)
+        mlp_out = fusion.mlp(block, normed)
     return block.mlp_bda(False, cfg.bias_dropout_fusion)(mlp_out, hidden, block.hidden_dropout)
 
 

@@ -155,13 +155,13 @@ class DualRootExecutor(TKNPExecutor):
         """Root of ``layer`` for ``m``: fused QKV ``[rows, W]`` of ``hidden``; None elsewhere."""
         if not self._is_root(m, layer):
             return None
-        return qkv_projection(self.model.layer(layer), hidden)
+        return qkv_projection(self.model.layer(layer), hidden, self.fusion)
 
     def _finish(self, m: int, layer: int, resid, attn):
         """Root: output projection, residuals and MLP of ``layer`` over the gathered ``attn``."""
         if not self._is_root(m, layer):
             return None
-        return finish_layer(self.model.layer(layer), attn.unsqueeze(1), resid)
+        return finish_layer(self.model.layer(layer), attn.unsqueeze(1), resid, self.fusion)
 
     def _move(self, m: int, layer: int, hidden, inp: StepInputs):
         """Move ``m``'s hidden state to the root of ``layer + 1`` if it changes."""

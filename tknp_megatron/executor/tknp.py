@@ -25,6 +25,7 @@ from tknp_megatron.attention import AttentionBackend
 from tknp_megatron.executor.base import StepOutput
 from tknp_megatron.executor.comm import TokenParallelComm
 from tknp_megatron.executor.dense import finish_layer, qkv_projection, vocab_logits
+from tknp_megatron.executor.dense_fusion import DenseFusion
 from tknp_megatron.executor.ingest import Admitter, KVIngest, KVSlice
 from tknp_megatron.executor.owner_attention import OwnerAttention
 from tknp_megatron.executor.rope import Rope
@@ -60,6 +61,7 @@ class TKNPExecutor:
         vocab_size: unpadded vocabulary (padded logits are cut before sampling).
         device: this rank's device.
         ingest: where outside KV of admitted requests comes from (None: synthetic only).
+        fusion: the root's fused element-wise kernels (None: Megatron's modules).
     """
 
     def __init__(
@@ -73,10 +75,12 @@ class TKNPExecutor:
         vocab_size: int,
         device: torch.device,
         ingest: Optional[KVIngest] = None,
+        fusion: Optional[DenseFusion] = None,
     ):
         cfg = model.config
         self.model, self.placement, self.groups, self.kv = model, placement, groups, kv
         self.rope, self.attention, self.vocab_size, self.device = rope, attention, vocab_size, device
+        self.fusion = fusion
         self.comm = TokenParallelComm(groups)
         self.node = groups.node
         t = groups.tp_size
@@ -181,7 +185,7 @@ class TKNPExecutor:
         block = self.model.layer(layer) if is_root else None
         qkv = None
         if is_root:
-            qkv = qkv_projection(block, hidden)
+            qkv = qkv_projection(block, hidden, self.fusion)
             _mark(timer, "root_qkv")
         mine = self._scatter_qkv(qkv, root, inp)
         _mark(timer, "scatter")
@@ -191,7 +195,7 @@ class TKNPExecutor:
         _mark(timer, "gather")
         if not is_root:
             return None
-        hidden = finish_layer(block, gathered.unsqueeze(1), hidden)
+        hidden = finish_layer(block, gathered.unsqueeze(1), hidden, self.fusion)
         _mark(timer, "root_proj_mlp")
         return hidden
 

@@ -7,22 +7,38 @@ with exactly those keys, but only for its own blocks and TP shard, so
 ``dist_checkpointing.load`` reads just those slices -- from a checkpoint written at any TP
 (and PP): resharding is Megatron's own.
 
+The load may also run in rounds of a few layers (:mod:`tknp_megatron.models.layer_rounds`):
+how FP8-stored layers are filled, through one-layer staging copies in the run's dtype.
+
 Also here: reading Megatron-LM's stored training args (``common.pt``); turning them (or a
 ``--model-config`` file) into a preset is :mod:`tknp_megatron.models.model_config`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
 import torch
+import torch.distributed as dist
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.dict_utils import (
+    dict_list_map_inplace,
+    dict_list_map_outplace,
+    extract_matching_values,
+)
+from megatron.core.dist_checkpointing.mapping import (
+    ShardedObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+    apply_factories,
+    apply_factory_merges,
+)
 from megatron.core.dist_checkpointing.validation import StrictHandling
 
-from tknp_megatron.models.model import StageModel
+from tknp_megatron.models.layer_rounds import LayerRounds, fill_in_rounds_
 
 __all__ = [
     "checkpoint_padded_vocab_size",
@@ -65,22 +81,58 @@ def _model_nesting(path: Path) -> bool:
     return isinstance(common, dict) and ("model" in common or "args" in common)
 
 
-def load_megatron_checkpoint(model: StageModel, ckpt_dir: PathLike) -> None:
+def load_megatron_checkpoint(model: torch.nn.Module, ckpt_dir: PathLike,
+                             rounds: Optional[LayerRounds] = None) -> None:
     """Fill ``model``'s stored blocks from a ``torch_dist`` checkpoint, reading only them.
 
-    Every rank of the pool calls this (it is collective over the default group). Each rank
-    asks for the slices its ``StageModel.sharded_state_dict()`` describes -- its layers, its
-    TP shard, the embedding / output layer only where held -- so memory while loading is
-    about one copy of the rank's own parameters. The embedding and output layer may have
-    more rows than the checkpoint's (vocabulary padding for a TP that does not divide the
+    Every rank of the world calls this (it is collective over the default group). Each rank
+    asks for the slices its ``sharded_state_dict()`` describes -- its layers, its TP shard,
+    the embedding / output layer only where held -- so memory while loading is about one
+    copy of the rank's own parameters. The embedding and output layer may have more rows
+    than the checkpoint's (vocabulary padding for a TP that does not divide the
     checkpoint's rows): those ranks read the whole checkpoint tensor and keep their rows,
-    zero beyond the checkpoint's. Raises ``CheckpointingException`` if a needed tensor is
-    missing, ``RuntimeError`` if other shapes differ.
+    zero beyond the checkpoint's.
+
+    Args:
+        model: a :class:`StageModel` (or, without ``rounds``, a Megatron ``GPTModel``).
+        ckpt_dir: the checkpoint (see :func:`resolve_checkpoint_dir`).
+        rounds: load in rounds of layers (:func:`~tknp_megatron.models.layer_rounds.fill_in_rounds_`;
+            through staging copies if ``rounds.staging``): one collective load a round,
+            the endpoints with round 0. The ranks first agree on the largest round count
+            (one ``all_gather_object``), so every rank makes the same number of loads;
+            every rank must pass rounds or none. None: one load of the whole model.
+
+    Raises ``CheckpointingException`` if a needed tensor is missing, ``RuntimeError`` if
+    other shapes differ.
     """
     path = resolve_checkpoint_dir(ckpt_dir)
+    nested = _model_nesting(path)
+    if rounds is None:
+        _load_into(model, path, nested)
+        return
+    counts = [len(rounds.rounds)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        counts = [None] * dist.get_world_size()
+        dist.all_gather_object(counts, len(rounds.rounds))
+    fill_in_rounds_(model, lambda part: _load_into(part, path, nested), rounds, max(counts))
+
+
+def _load_into(model: torch.nn.Module, path: Path, nested: bool) -> None:
+    """One collective ``dist_checkpointing.load`` of what ``model`` describes (every rank
+    calls it, an empty description included), loaded into ``model``.
+
+    The request's factories (SwiGLU's split FC1, DCP's head rows) are applied here, as
+    Megatron's load would, so that every stacked-layer tensor can be described with its
+    layer axis as an explicit axis of size one (:func:`_explicit_layer_axes`).
+    """
     request = _drop_extra_state(model.sharded_state_dict())
     resized = _whole_vocab_requests(request, path)
-    nested = _model_nesting(path)
+    factories, _ = extract_matching_values(
+        request, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True)
+    apply_factories(request)
+    shapes = dict_list_map_outplace(
+        lambda x: x.local_shape if isinstance(x, ShardedTensor) else None, request)
+    dict_list_map_inplace(_explicit_layer_axes, request)
     sharded = {"model": request} if nested else request
     # No access-integrity check: it asserts every shard is read once as a main replica,
     # true of a whole training job but not of a decode pool (node replicas, partial reads).
@@ -89,7 +141,8 @@ def load_megatron_checkpoint(model: StageModel, ckpt_dir: PathLike) -> None:
         strict=StrictHandling.ASSUME_OK_UNEXPECTED,
     )
     state = loaded["model"] if nested else loaded
-    state = {k: v for k, v in state.items() if k in request}
+    state = {k: _local_view(state[k], shapes[k]) for k in request}
+    state = apply_factory_merges(state, factories)
     for name, served in resized.items():
         state[name] = _served_rows(state[name], served)
     result = model.load_state_dict(state, strict=False)
@@ -98,14 +151,42 @@ def load_megatron_checkpoint(model: StageModel, ckpt_dir: PathLike) -> None:
         raise RuntimeError(f"{path}: parameters not in the checkpoint: {missing}")
 
 
+def _explicit_layer_axes(st: ShardedTensor) -> ShardedTensor:
+    """``st`` with its prepended axes (the stacked layers' axis) as explicit axes of size one
+    (the same chunk of the same global tensor). Megatron reads such a tensor as a DCP chunk
+    directly; a prepended axis it reads through a torch ``ShardedTensor`` that places every
+    other layer's fragment on the next rank, which in a world of one rank is this one, so a
+    one-rank load of some layers only (a round, :mod:`~tknp_megatron.models.layer_rounds`)
+    would fail."""
+    if not isinstance(st, ShardedTensor) or not st.prepend_axis_num:
+        return st
+    data = st.data.view((1,) * st.prepend_axis_num + tuple(st.data.shape))
+    return dataclasses.replace(st, data=data, local_shape=tuple(data.shape), prepend_axis_num=0)
+
+
+def _local_view(loaded, shapes):
+    """``loaded`` (a tensor, or lists / dicts of them, as requested) viewed as ``shapes``
+    (the requested tensors' local shapes, same structure; None: left as loaded)."""
+    if isinstance(shapes, dict):
+        return {k: _local_view(loaded[k], v) for k, v in shapes.items()}
+    if isinstance(shapes, list):
+        return [_local_view(t, v) for t, v in zip(loaded, shapes)]
+    return loaded if shapes is None else loaded.view(shapes)
+
+
 def _whole_vocab_requests(request: Dict, path: Path) -> Dict[str, ShardedTensor]:
     """Replace, in ``request``, the vocabulary tensors whose rows differ from the
     checkpoint's by a request for the whole checkpoint tensor; returns the replaced
-    (served) entries by name."""
+    (served) entries by name. Reads the checkpoint's metadata (a local read) only when
+    ``request`` holds a vocabulary tensor."""
+    vocab = {name: st for name, st in request.items()
+             if isinstance(st, ShardedTensor) and st.key.endswith(_VOCAB_KEYS)}
+    if not vocab:
+        return {}
     meta = dist_checkpointing.load_tensors_metadata(str(path))
     replaced = {}
-    for name, st in list(request.items()):
-        if not (isinstance(st, ShardedTensor) and st.key.endswith(_VOCAB_KEYS) and st.key in meta):
+    for name, st in vocab.items():
+        if st.key not in meta:
             continue
         stored = tuple(meta[st.key].global_shape)
         if stored == tuple(st.global_shape):

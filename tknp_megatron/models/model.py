@@ -9,14 +9,17 @@ spec with its *global* layer number, the final norm and the ``ColumnParallelLine
 layer (last block). Its state-dict and sharded-state-dict keys are exactly ``GPTModel``'s
 (``decoder.layers.<global>.``...), so Megatron checkpoints load block by block.
 
-Modules are built on the meta device and only the stored blocks are materialised.
+Modules are built on the meta device and only the stored blocks are materialised. With an
+FP8 format the transformer layers are built FP8 from the start (never as a block in the run's
+dtype) and weight sources fill them through one-layer staging copies
+(:mod:`tknp_megatron.models.layer_rounds`; docs/ARCHITECTURE.md, "FP8 on the root").
 """
 
 from __future__ import annotations
 
 import dataclasses
-
-from typing import Iterable, Optional, Sequence
+from contextlib import nullcontext
+from typing import Iterable, Mapping, Optional, Sequence
 
 import torch
 from megatron.core import tensor_parallel
@@ -35,7 +38,7 @@ from megatron.core.transformer.utils import (
 
 from tknp_megatron.config import ModelPreset
 from tknp_megatron.models.norms import ZeroCenteredNorm
-from tknp_megatron.models.precision import DenseFormat
+from tknp_megatron.models.precision import DenseFormat, prepare_fp8_inference_
 
 __all__ = [
     "StageModel",
@@ -81,11 +84,17 @@ def final_norm_spec(preset: ModelPreset, use_te: bool = False):
 
 
 class _Decoder(MegatronModule):
-    """``decoder`` of a GPTModel restricted to some global layers (+ final norm)."""
+    """``decoder`` of a GPTModel restricted to some global layers (+ final norm).
+
+    With an FP8 config (``config.fp8`` set, :meth:`DenseFormat.config_overrides`) its layers
+    are built FP8-stored (:meth:`build_layer`); :meth:`staging_layer` builds one in the run's
+    dtype for a weight source to fill.
+    """
 
     def __init__(self, config, preset, layers: Sequence[int], post_process, spec, use_te, pgc):
         super().__init__(config=config)
-        self._spec, self._pgc = spec, pgc
+        self._spec, self._pgc, self._use_te = spec, pgc, use_te
+        self.fp8_layers = bool(config.fp8)
         self.layers = torch.nn.ModuleDict({str(g): self.build_layer(g) for g in layers})
         if post_process:
             self.final_layernorm = build_module(
@@ -97,14 +106,50 @@ class _Decoder(MegatronModule):
         else:
             self.final_layernorm = None
 
-    def build_layer(self, g: int):
-        """A new, uninitialised ``TransformerLayer`` for global layer ``g`` (0-based)."""
-        return build_module(self._spec, config=self.config, layer_number=g + 1, pg_collection=self._pgc)
+    def build_layer(self, g: int, fp8: Optional[bool] = None):
+        """A new, uninitialised ``TransformerLayer`` for global layer ``g`` (0-based), on the
+        current default device.
 
-    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        """Same keys as ``TransformerBlock.sharded_state_dict`` (layers stacked on axis 0)."""
+        ``fp8`` (default: :attr:`fp8_layers`) builds it under Megatron's FP8 parameter
+        context (``get_fp8_context(config with fp8_param, g, is_init=True)``, TE's
+        ``quantized_model_init``): its four GEMM weights are FP8 tensors, with no
+        high-precision copy kept (built without autograd, so TE keeps no initial values).
+        """
+        fp8 = self.fp8_layers if fp8 is None else fp8
+        with torch.no_grad():  # before the context: it reads whether autograd is on
+            context = nullcontext()
+            if fp8:
+                from megatron.core.fp8_utils import get_fp8_context
+
+                context = get_fp8_context(dataclasses.replace(self.config, fp8_param=True), g,
+                                          is_init=True)
+            with context:
+                return build_module(self._spec, config=self.config, layer_number=g + 1,
+                                    pg_collection=self._pgc)
+
+    def staging_layer(self, g: int):
+        """Global layer ``g`` in the run's dtype (never FP8), uninitialised, on the device of
+        the stored layer ``g``: what a weight source fills before the stored layer loads from
+        it (:mod:`tknp_megatron.models.layer_rounds`)."""
+        device = next(self.layers[str(g)].parameters()).device
+        if self._use_te:  # TE modules allocate on the device Megatron passes them
+            with torch.device(device):
+                return self.build_layer(g, fp8=False)
+        with torch.device("meta"):
+            layer = self.build_layer(g, fp8=False)
+        return layer.to_empty(device=device)
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None,
+                           layers: Optional[Mapping[str, torch.nn.Module]] = None,
+                           final_norm: bool = True):
+        """Same keys as ``TransformerBlock.sharded_state_dict`` (layers stacked on axis 0).
+
+        ``layers`` (keyed by global index, as :attr:`layers`) describes other modules under
+        the stored layers' keys and offsets (staging copies); ``final_norm`` includes the
+        final norm where held.
+        """
         out = {}
-        for key, layer in self.layers.items():
+        for key, layer in (self.layers if layers is None else layers).items():
             g = int(key)
             local_prefix = f"{prefix}layers.{key}."
             layer_sd = layer.sharded_state_dict(
@@ -112,7 +157,7 @@ class _Decoder(MegatronModule):
             )
             replace_prefix_for_sharding(layer_sd, local_prefix, f"{prefix}layers.")
             out.update(layer_sd)
-        if self.final_layernorm is not None:
+        if final_norm and self.final_layernorm is not None:
             out.update(
                 sharded_state_dict_default(
                     self.final_layernorm, f"{prefix}final_layernorm.", sharded_offsets, metadata
@@ -126,7 +171,8 @@ class StageModel(MegatronModule):
 
     Attributes:
         embedding: ``LanguageModelEmbedding`` or None.
-        decoder.layers: ``ModuleDict`` of ``TransformerLayer`` keyed by global layer index.
+        decoder.layers: ``ModuleDict`` of ``TransformerLayer`` keyed by global layer index;
+            FP8-stored GEMM weights with an FP8 config (:attr:`fp8_layers`).
         decoder.final_layernorm: final norm or None.
         output_layer: vocab-parallel ``ColumnParallelLinear`` or None.
     """
@@ -183,14 +229,29 @@ class StageModel(MegatronModule):
         """The ``TransformerLayer`` for a global layer index."""
         return self.decoder.layers[str(global_index)]
 
-    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        """``GPTModel``-compatible sharded state dict of the stored parts."""
+    @property
+    def fp8_layers(self) -> bool:
+        """Whether the transformer layers store their GEMM weights in FP8 (built so)."""
+        return self.decoder.fp8_layers
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None, *,
+                           layers: Optional[Mapping[str, torch.nn.Module]] = None,
+                           endpoints: bool = True):
+        """``GPTModel``-compatible sharded state dict of the stored parts.
+
+        Args:
+            layers: modules keyed by global layer index (as ``decoder.layers``) described
+                instead of the stored layers, under the same keys and layer-axis offsets
+                (one-layer staging copies, :mod:`tknp_megatron.models.layer_rounds`).
+            endpoints: include the embedding, final norm and output layer where held.
+        """
         metadata = ensure_metadata_has_dp_cp_group(metadata)
         out = {}
-        if self.embedding is not None:
+        if endpoints and self.embedding is not None:
             out.update(self.embedding.sharded_state_dict(f"{prefix}embedding.", (), metadata))
-        out.update(self.decoder.sharded_state_dict(f"{prefix}decoder.", (), metadata))
-        if self.output_layer is not None:
+        out.update(self.decoder.sharded_state_dict(f"{prefix}decoder.", (), metadata,
+                                                   layers=layers, final_norm=endpoints))
+        if endpoints and self.output_layer is not None:
             head = self.output_layer.sharded_state_dict(f"{prefix}output_layer.", (), metadata)
             head.pop(f"{prefix}output_layer._extra_state", None)
             if self.preset.gpt.share_embeddings_and_output_weights:
@@ -259,11 +320,14 @@ def build_stage_model(
     """Build the stored part, uninitialised, on ``device``.
 
     Local modules are built on the meta device and then allocated; TE modules allocate on
-    the GPU themselves (Megatron passes them the device). Fill the parameters from a
-    checkpoint or :mod:`tknp_megatron.models.weights`; with an FP8 ``dense`` format, then call
-    :func:`tknp_megatron.models.precision.store_fp8_weights_`. ``vocab_size`` is the
-    checkpoint's embedding rows, if any (see :func:`served_vocab_size`); ``linear_qkv``,
-    a module class for the layer spec's QKV projection instead of Megatron's.
+    the GPU themselves (Megatron passes them the device). With an FP8 ``dense`` format the
+    transformer layers are built FP8-stored, one at a time (:meth:`_Decoder.build_layer`),
+    and wrapped for FP8 inference (:func:`~tknp_megatron.models.precision.prepare_fp8_inference_`);
+    the embedding, norms and output layer are in ``params_dtype``. Fill the parameters with
+    :func:`tknp_megatron.engine.factory.load_weights` (FP8 layers through one-layer staging
+    copies, :mod:`tknp_megatron.models.layer_rounds`). ``vocab_size`` is the checkpoint's
+    embedding rows, if any (see :func:`served_vocab_size`); ``linear_qkv``, a module class
+    for the layer spec's QKV projection instead of Megatron's.
     """
     dense = dense.resolved(device)
     config = preset.to_transformer_config(
@@ -278,6 +342,8 @@ def build_stage_model(
         with torch.device(device):
             model = StageModel(preset, config, layers, pre_process, post_process, vocab, True,
                                dense.te_fused_mlp, linear_qkv)
+        if dense.fp8:
+            prepare_fp8_inference_(model)
         return model.eval()
     with torch.device("meta"):
         model = StageModel(preset, config, layers, pre_process, post_process, vocab, False,

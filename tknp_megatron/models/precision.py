@@ -8,8 +8,10 @@ The same three choices Megatron-LM offers its models, under its names:
   fused into the QKV GEMM, the pre-MLP norm into FC1, TE's row-parallel linears); ``auto``
   takes TE where it is installed and the run is on a GPU.
 * ``fp8_recipe``: ``None`` keeps the weights in the run's dtype; a Megatron FP8 recipe
-  stores the GEMM weights of every transformer layer in FP8 (Megatron's ``fp8_param``) and
-  runs those GEMMs in FP8 under TE's autocast. On decode the dense work is bound by reading
+  stores the GEMM weights of every transformer layer in FP8 (Megatron's ``fp8_param``:
+  the layers are built so, and weight sources fill them through a staging copy of one layer
+  in the run's dtype, ``models/layer_rounds.py``) and runs those GEMMs in FP8 under TE's
+  autocast. On decode the dense work is bound by reading
   weights, so half the bytes is about half the time, and the freed memory becomes KV cache.
 * ``fp8_format``: ``hybrid`` or ``e4m3`` (Megatron's ``--fp8-format``; a forward pass uses
   E4M3 in both).
@@ -38,7 +40,8 @@ import torch
 
 __all__ = [
     "FP8_FORMATS", "FP8_RECIPES", "TRANSFORMER_IMPLS", "DenseFormat", "dense_autocast",
-    "store_fp8_weights_", "stored_bytes", "te_installed",
+    "holds_fp8", "load_layer_from_", "prepare_fp8_inference_", "store_fp8_weights_",
+    "stored_bytes", "te_installed",
 ]
 
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
@@ -127,9 +130,10 @@ class DenseFormat:
         return 1 if self.fp8 else None
 
     def config_overrides(self) -> dict:
-        """Megatron ``TransformerConfig`` fields for this format. The layers are built with
-        ``fp8_param`` off and their weights quantized after loading (see
-        :func:`store_fp8_weights_`)."""
+        """Megatron ``TransformerConfig`` fields for this format. ``fp8_param`` stays off in
+        the model's config (a Megatron ``GPTModel`` built from it is in the run's dtype, for
+        :func:`store_fp8_weights_`); a stage model builds its transformer layers under the FP8
+        parameter context itself (``models/model.py: _Decoder.build_layer``)."""
         if not self.fp8:
             return {}
         return dict(fp8=self.fp8_format, fp8_recipe=self.fp8_recipe, fp8_param=False)
@@ -159,35 +163,65 @@ def dense_autocast(config, tp_group=None):
     return te.fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=tp_group)
 
 
+def holds_fp8(module: torch.nn.Module) -> bool:
+    """Whether some parameter of ``module`` is a TE quantized tensor (FP8-stored)."""
+    return any(type(p.data) is not torch.Tensor for p in module.parameters())
+
+
+@torch.no_grad()
+def load_layer_from_(layer: torch.nn.Module, source: torch.nn.Module, name: str) -> None:
+    """Load ``layer`` from ``source``'s state (a layer of the same spec; ``_extra_state``
+    aside). Into an FP8-stored layer this quantizes each whole GEMM weight with the
+    recipe (``tensorwise``: one scale from the weight's amax), as TE does when a weight
+    in the run's dtype is copied into an FP8 parameter. RuntimeError, naming ``name``,
+    if the two layers' keys differ."""
+    state = {k: v for k, v in source.state_dict().items() if not k.endswith("_extra_state")}
+    result = layer.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"{name}: the layer does not match the one it loads from "
+                           f"(missing {missing}, unexpected {result.unexpected_keys})")
+
+
+def prepare_fp8_inference_(model: torch.nn.Module) -> None:
+    """Megatron's ``prepare_model_for_fp8_inference`` on ``model``: each TE linear pads a
+    batch whose row count is not a multiple of 16 (FP8 GEMMs need one) and unpads its
+    output; TE's fused MLP, which runs its own ops rather than the wrapped linears, is
+    wrapped as a whole. Wrapping twice is a no-op (Megatron keeps the wrapped set)."""
+    from megatron.core.fp8_utils import prepare_model_for_fp8_inference
+    # Megatron's own pad-to-16-rows wrapper (what prepare_model_for_fp8_inference applies to
+    # each TE linear), here applied to the fused MLP as a whole
+    from megatron.core.fp8_utils import _wrap_te_linear_for_padding
+
+    prepare_model_for_fp8_inference(model)
+    for module in model.modules():
+        if type(module).__name__ == "TEFusedMLP":
+            _wrap_te_linear_for_padding(module)
+
+
 @torch.no_grad()
 def store_fp8_weights_(model, layers=None, build_layer=None) -> None:
     """Quantize a loaded model's transformer layers to FP8-stored GEMM weights, one layer
-    at a time.
+    at a time: for a Megatron ``GPTModel`` loaded in the run's dtype (the one-GPU reference,
+    ``models/reference.py``).
 
     Each layer is rebuilt under Megatron's FP8 parameter context (TE's
     ``quantized_model_init``: its GEMM weights are FP8 tensors, no high-precision copy) and
-    loaded from the loaded layer, which is then freed: copying a whole weight into an FP8
-    parameter quantizes it with the recipe (``tensorwise``: one scale from the weight's
-    amax). So any weight source (seed, Megatron checkpoint, Hugging Face folder) loads as
-    before, and the rank's memory never holds more than its block in the run's dtype plus
-    one layer. The embedding, output layer, norms and biases stay as loaded.
-
-    Last, Megatron's ``prepare_model_for_fp8_inference`` wraps the TE linears so a batch
-    whose row count is not a multiple of 16 (FP8 GEMMs need one) is padded and unpadded.
+    loaded from the loaded layer (:func:`load_layer_from_`), which is then freed. The
+    embedding, output layer, norms and biases stay as loaded. A layer already FP8-stored
+    (a stage model's, built so and loaded through staging copies) is left as it is. Last,
+    :func:`prepare_fp8_inference_`.
 
     Args:
-        model: a loaded :class:`~tknp_megatron.models.model.StageModel` (or, with the
-            next two arguments, a Megatron ``GPTModel``) built with TE layers and an FP8
+        model: a loaded Megatron ``GPTModel`` (with the next two arguments) or
+            :class:`~tknp_megatron.models.model.StageModel`, built with TE layers and an FP8
             config (:meth:`DenseFormat.config_overrides`).
         layers: the ``ModuleDict`` (keyed by global layer index) or ``ModuleList`` (indexed
             by it) of its layers; default ``model.decoder.layers``.
         build_layer: global layer index -> a new, uninitialised layer; default
             ``model.decoder.build_layer``.
     """
-    from megatron.core.fp8_utils import get_fp8_context, prepare_model_for_fp8_inference
-    # Megatron's own pad-to-16-rows wrapper (what prepare_model_for_fp8_inference applies to
-    # each TE linear), here applied to the fused MLP as a whole
-    from megatron.core.fp8_utils import _wrap_te_linear_for_padding
+    from megatron.core.fp8_utils import get_fp8_context
 
     layers = model.decoder.layers if layers is None else layers
     build_layer = model.decoder.build_layer if build_layer is None else build_layer
@@ -195,20 +229,14 @@ def store_fp8_weights_(model, layers=None, build_layer=None) -> None:
     keys = list(layers.keys()) if isinstance(layers, torch.nn.ModuleDict) else range(len(layers))
     for key in keys:
         loaded = layers[key]
+        if holds_fp8(loaded):
+            continue
         with get_fp8_context(config, int(key), is_init=True):
             layer = build_layer(int(key))
-        state = {k: v for k, v in loaded.state_dict().items() if not k.endswith("_extra_state")}
-        result = layer.load_state_dict(state, strict=False)
-        missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
-        if missing or result.unexpected_keys:
-            raise RuntimeError(f"layer {key}: FP8 rebuild does not match the loaded layer "
-                               f"(missing {missing}, unexpected {result.unexpected_keys})")
+        load_layer_from_(layer, loaded, f"layer {key}")
         layers[key] = layer.eval()
-        del loaded, state
-    prepare_model_for_fp8_inference(model)
-    for module in model.modules():  # TE's fused MLP runs its own ops, not the wrapped linears
-        if type(module).__name__ == "TEFusedMLP":
-            _wrap_te_linear_for_padding(module)
+        del loaded
+    prepare_fp8_inference_(model)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the loaded layers' memory goes back to the KV cache
 

@@ -77,9 +77,11 @@ def build_reference_model(
 
 
 def reference_to_fp8(model: GPTModel, preset: ModelPreset) -> GPTModel:
-    """A loaded TE-spec reference with FP8-stored GEMM weights, quantized exactly as a
-    TKNP rank's (:func:`~tknp_megatron.models.precision.store_fp8_weights_`); its decoder
-    then runs them under Megatron's own FP8 context."""
+    """A loaded TE-spec reference with FP8-stored GEMM weights (:func:`~tknp_megatron.models.precision.store_fp8_weights_`:
+    each layer rebuilt FP8 and loaded from the loaded one), quantized exactly as a TKNP
+    rank's, whose FP8 layers load from staging copies in the run's dtype
+    (:func:`~tknp_megatron.models.precision.load_layer_from_` both); its decoder then runs
+    them under Megatron's own FP8 context."""
     decoder, spec = model.decoder, layer_spec(preset, use_te=True)
 
     def build_layer(i: int):

@@ -19,7 +19,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTenso
 from tknp_megatron.config import ModelPreset
 from tknp_megatron.hashing import MASK32, mix32
 
-__all__ = ["fill_seeded_", "hash_uniform"]
+__all__ = ["SLAB_ELEMENTS", "fill_seeded_", "hash_uniform"]
 
 def hash_uniform(seed: int, index: torch.Tensor) -> torch.Tensor:
     """Uniform values in [-1, 1) from int64 element indices; same on every device.
@@ -36,13 +36,15 @@ def hash_uniform(seed: int, index: torch.Tensor) -> torch.Tensor:
     return (h >> 8).to(torch.float32) * (2.0 / (1 << 24)) - 1.0
 
 
-def _global_indices(st: ShardedTensor) -> torch.Tensor:
-    """Global flat element index of every local element of ``st`` (int64, local shape)."""
+def _global_indices(st: ShardedTensor, rows: range) -> torch.Tensor:
+    """Global flat element index of the local elements ``st.data[rows]`` (int64, that
+    slab's shape; ``rows`` along the local axis 0)."""
     p = st.prepend_axis_num
     data_shape = st.global_shape[p:]
     idx = torch.zeros((), dtype=torch.int64, device=st.data.device)
     for axis, (offset, size) in enumerate(zip(st.global_offset[p:], st.data.shape)):
-        rng = torch.arange(offset, offset + size, dtype=torch.int64, device=idx.device)
+        lo, hi = (offset + rows.start, offset + rows.stop) if axis == 0 else (offset, offset + size)
+        rng = torch.arange(lo, hi, dtype=torch.int64, device=idx.device)
         idx = idx.unsqueeze(-1) * data_shape[axis] + rng
     unit = 1
     for n in data_shape:
@@ -67,10 +69,22 @@ def _scale_shift(key: str, preset: ModelPreset) -> Tuple[float, float]:
     return preset.init_std * 3 ** 0.5, 0.0  # uniform with std init_std
 
 
+SLAB_ELEMENTS = 1 << 20
+"""Elements hashed at once: the int64 indices and the hash's temporaries are several times
+a weight's own bytes, so a weight is filled in slabs of rows of at most this many elements
+(about 50 MiB of working memory, whatever the weight's size)."""
+
+
 def _fill_tensor_(st: ShardedTensor, seed: int, preset: ModelPreset) -> None:
     scale, shift = _scale_shift(st.key, preset)
-    values = hash_uniform(_key_seed(seed, st.key), _global_indices(st)) * scale + shift
-    st.data.copy_(values.to(st.data.dtype))
+    key_seed = _key_seed(seed, st.key)
+    data = st.data if st.data.dim() else st.data.view(1)
+    rows = data.shape[0]
+    step = max(1, SLAB_ELEMENTS // max(1, data[:1].numel()))
+    for lo in range(0, rows, step):
+        slab = range(lo, min(rows, lo + step))
+        values = hash_uniform(key_seed, _global_indices(st, slab)) * scale + shift
+        data[slab.start : slab.stop].copy_(values.to(data.dtype))
 
 
 def _sharded_tensors(sd: Dict) -> Iterable[ShardedTensor]:
@@ -89,7 +103,9 @@ def fill_seeded_(model: torch.nn.Module, preset: ModelPreset, seed: int) -> None
     """Fill every parameter of ``model`` (a StageModel or GPTModel) from the seed.
 
     Uses ``model.sharded_state_dict()``; factories (SwiGLU's split ``linear_fc1``) are
-    built so each half gets the values of its place in the unsharded tensor.
+    built so each half gets the values of its place in the unsharded tensor. Each tensor is
+    filled in slabs of rows (:data:`SLAB_ELEMENTS`), so the working memory stays small
+    beside the weights (docs/ARCHITECTURE.md, "FP8 on the root": the load's peak).
     """
     for st in _sharded_tensors(model.sharded_state_dict()):
         if st.data.dtype.is_floating_point:

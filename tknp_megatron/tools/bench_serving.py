@@ -48,6 +48,9 @@ def parse_args(argv=None):
                    help="KV budget per node (CPU default: half the largest trace's reservations; "
                         "GPU default: free memory)")
     p.add_argument("--cuda-graphs", action="store_true")
+    p.add_argument("--no-fused-elementwise", action="store_true",
+                   help="on GPUs, run the element-wise work between the root's GEMMs on Megatron's "
+                        "modules instead of fused kernels (EngineConfig.fused_elementwise)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--dtype", default=None)
     p.add_argument("--transformer-impl", default="auto", metavar="IMPL",
@@ -147,7 +150,8 @@ def worker(rank, world, args):
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     config = EngineConfig(block_size=args.block_size, kv_tokens_per_node=args.kv_tokens_per_node,
                           gpu_memory_cap_gib=args.gpu_memory_gib, cuda_graphs=args.cuda_graphs,
-                          max_prefill_tokens=1 << 30)
+                          max_prefill_tokens=1 << 30,
+                          fused_elementwise=False if args.no_fused_elementwise else None)
     rows = []
     for ctx, batch, rate, trace in traces(args):
         for label, mode, preset in planned_runs(args, (ctx, batch, rate)):

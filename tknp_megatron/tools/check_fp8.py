@@ -17,7 +17,11 @@ tensorwise / blockwise). Three parts, each printed as a table and written to ``-
 2. Memory. Per format, on ``--capacity-model`` cut to ``--capacity-layers`` layers under
    ``--gpu-memory-cap-gib``: the bytes the placement predicts for the node, the bytes the
    engine reports its parameters hold, the memory allocated by building and loading them
-   (measured), and the KV capacity in tokens.
+   (measured), the KV capacity in tokens, and the peak allocated while building and loading
+   the model (``load_peak_gib``, seeded weights) against the bound it must stay under
+   (``load_bound_gib``: the placement's bytes, i.e. the FP8 or BF16 block with the BF16
+   endpoints, plus one layer in the run's dtype, the staging copy, plus the seeded fill's
+   working memory; docs/ARCHITECTURE.md, "FP8 on the root").
 3. Speed. One ``--dense-model`` layer's dense work (fused norm + QKV, attention output
    projection, residual, norm + MLP; attention excluded) at each ``--batches``, captured in
    a CUDA graph, per format: microseconds and the ratio to ``te``.
@@ -82,6 +86,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--parts", nargs="+", default=["tokens", "memory", "speed"],
                    choices=("tokens", "modes", "dcp", "memory", "speed"))
+    p.add_argument("--no-fused-elementwise", action="store_true",
+                   help="engines run the element-wise steps between the GEMMs on Megatron's modules "
+                        "(EngineConfig.fused_elementwise), as the GPTModel reference does")
     p.add_argument("--out", default=None, metavar="FILE")
     args = p.parse_args(argv)
     if args.device == "cpu":
@@ -139,6 +146,7 @@ def _engine_tokens(work: _Work, mode, groups, fmt, device, dtype, args, cuda_gra
         kv = sum(len(p) + n for p, n in zip(work.prompts, work.lengths))
     config = EngineConfig(kv_tokens_per_node=kv, gpu_memory_cap_gib=args.gpu_memory_cap_gib,
                           record_logits=not cuda_graphs, cuda_graphs=cuda_graphs,
+                          fused_elementwise=False if args.no_fused_elementwise else None,
                           attention_backend=attention_backend)
     engine = build_engine(mode, work.preset, groups, config, device, dtype, weights=work.weights,
                           padded_vocab=work.padded_vocab, dense=fmt)
@@ -307,18 +315,44 @@ def dcp_part(args, device, dtype) -> List[dict]:
 
 
 # --------------------------------------------------------------------------- part 2
+_FILL_WORKING_BYTES = 64 << 20  # the seeded fill's hash slabs (models/weights.SLAB_ELEMENTS)
+
+
+def _load_peak(preset, placement, groups, fmt, device, dtype, seed) -> int:
+    """Bytes allocated at the peak of building this rank's model and loading seeded weights
+    into it (``build_model`` + ``load_weights``, as ``build_engine`` runs them), above what
+    was allocated before."""
+    from tknp_megatron.engine.factory import Mode, build_model, load_weights
+
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    model = build_model(Mode.TKNP, preset, placement, groups, dtype, device, dense=fmt)
+    load_weights(model, preset, seed)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del model
+    _free(device)
+    return peak
+
+
 def memory_part(args, device, dtype) -> List[dict]:
     import parallel_state as ps
     from tknp_megatron.config import get_preset
     from tknp_megatron.engine.config import EngineConfig
     from tknp_megatron.engine.factory import Mode, build_engine, placement_for
+    from tknp_megatron.placement import model_bytes
 
     preset = get_preset(args.capacity_model).replace(num_layers=args.capacity_layers)
+    staging = max(model_bytes(preset, dtype.itemsize, dtype.itemsize).layers)  # one layer, run's dtype
     rows = []
     for name in args.formats:
         fmt = FORMATS[name]
         groups = ps.initialize_model_parallel(tensor_model_parallel_size=1)
-        predicted = placement_for(Mode.TKNP, preset, groups, fmt.resolved(device)).node_bytes[0]
+        placement = placement_for(Mode.TKNP, preset, groups, fmt.resolved(device))
+        predicted = placement.node_bytes[0]
+        peak = _load_peak(preset, placement, groups, fmt, device, dtype, args.seed)
+        bound = predicted + staging + _FILL_WORKING_BYTES
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
         config = EngineConfig(gpu_memory_cap_gib=args.gpu_memory_cap_gib)
@@ -330,7 +364,9 @@ def memory_part(args, device, dtype) -> List[dict]:
                    cap_gib=args.gpu_memory_cap_gib, placement_gib=predicted / 2**30,
                    reported_gib=engine.weight_bytes / 2**30,
                    allocated_gib=(torch.cuda.memory_allocated(device) - before - kv_bytes) / 2**30,
-                   kv_capacity_tokens=engine.kv_capacity_tokens[0])
+                   kv_capacity_tokens=engine.kv_capacity_tokens[0],
+                   load_peak_gib=peak / 2**30, load_bound_gib=bound / 2**30,
+                   load_peak_within_bound=peak <= bound)
         rows.append(row)
         print(json.dumps(row), flush=True)
         del engine
@@ -341,39 +377,18 @@ def memory_part(args, device, dtype) -> List[dict]:
 
 # --------------------------------------------------------------------------- part 3
 def speed_part(args, device, dtype) -> List[dict]:
-    import parallel_state as ps
-    from tknp_megatron.config import get_preset
-    from tknp_megatron.engine.factory import load_weights
-    from tknp_megatron.executor.dense import finish_layer, qkv_projection
-    from tknp_megatron.models.model import build_stage_model
-    from tknp_megatron.models.precision import dense_autocast, store_fp8_weights_
-    from tknp_megatron.tools.bench_step import graph_time
+    """One ``--dense-model`` layer's dense work per format as the engine runs it (fused
+    element-wise kernels), graphed: ``tools/bench_dense.py``'s rows."""
+    from tknp_megatron.tools.bench_dense import format_rows, read_bandwidth
 
-    preset = get_preset(args.dense_model).replace(num_layers=1)
+    read_b_s = read_bandwidth(device)
     rows = []
     for name in args.formats:
-        fmt = FORMATS[name]
-        groups = ps.initialize_model_parallel(tensor_model_parallel_size=1)
-        model = build_stage_model(preset, [0], pre_process=False, post_process=False, tp=1,
-                                  params_dtype=dtype, device=device, dense=fmt)
-        load_weights(model, preset, args.seed)
-        if fmt.fp8:
-            store_fp8_weights_(model)
-        block = model.layer(0)
-        for b in args.batches:
-            hidden = torch.randn(b, 1, preset.hidden_size, device=device, dtype=dtype)
-            attn = torch.randn(b, 1, preset.num_attention_heads * preset.kv_channels, device=device, dtype=dtype)
-
-            def step():
-                qkv_projection(block, hidden)
-                return finish_layer(block, attn, hidden)
-
-            with torch.no_grad(), dense_autocast(model.config, groups.tp_group):  # captured in FP8
-                us = graph_time(step, args.reps) * 1e6
-            rows.append(dict(format=name, model=args.dense_model, batch=b, us=us))
+        for r in format_rows(args.dense_model, name, args.batches, args.reps, device, dtype, read_b_s,
+                             fusion="on", seed=args.seed):
+            rows.append(dict(format=name, model=args.dense_model, batch=r.batch, us=r.layer_us,
+                             floor_us=r.floor_us))
             print(json.dumps(rows[-1]), flush=True)
-        del model
-        ps.destroy_model_parallel()
         _free(device)
     te = {r["batch"]: r["us"] for r in rows if r["format"] == "te"}
     for r in rows:

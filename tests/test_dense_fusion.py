@@ -1,0 +1,166 @@
+"""The root's fused element-wise kernels (``executor/dense_fusion.py``) under TRITON_INTERPRET=1
+(CPU), against Megatron's own modules on the same layer: the input norm, the residual add +
+pre-MLP norm and the MLP's activation, for RMSNorm + SwiGLU (Llama), zero-centred LayerNorm +
+squared ReLU (Nemotron) and LayerNorm + GELU with biases (GPT); then a whole engine with and
+without them gives the same greedy tokens.
+
+TRITON_INTERPRET is read when a kernel is decorated: the kernels module is imported lazily
+(first use), and the spawned workers inherit the variable.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from tknp_megatron.launch import spawn  # noqa: E402
+
+CASES = {
+    # preset, overrides
+    "llama": ("tiny", {}),
+    "nemotron": ("tiny-nemotron", {}),
+    "gpt-bias-gelu": ("tiny", dict(normalization="LayerNorm", gated=False, activation="gelu",
+                                   add_bias_linear=True)),
+}
+
+
+def _preset(case):
+    from tknp_megatron.config import Activation, get_preset
+
+    name, overrides = CASES[case]
+    overrides = dict(overrides)
+    if "activation" in overrides:
+        overrides["activation"] = Activation(overrides["activation"])
+    return get_preset(name).replace(num_layers=1, **overrides)
+
+
+def _layer_worker(rank, world, case, dtype):
+    import parallel_state as ps
+    from tknp_megatron.executor.dense import finish_layer, qkv_projection
+    from tknp_megatron.executor.dense_fusion import dense_fusion_for
+    from tknp_megatron.models.model import build_stage_model
+    from tknp_megatron.models.weights import fill_seeded_
+
+    preset = _preset(case)
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    model = build_stage_model(preset, [0], pre_process=False, post_process=False, tp=1,
+                              params_dtype=dtype, device=torch.device("cpu"))
+    fill_seeded_(model, preset, seed=3)
+    with torch.no_grad():  # norms away from their default weights, biases non-zero
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                noise = torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.3
+                p.copy_((p.float() + noise).to(p.dtype))
+    fusion = dense_fusion_for(model, torch.device("cpu"), enabled=True)
+    block = model.layer(0)
+    g = torch.Generator().manual_seed(5)
+    rows = 7
+    hidden = (torch.randn(rows, 1, preset.hidden_size, generator=g) * 2 + 0.5).to(dtype)
+    attn = torch.randn(rows, 1, preset.num_attention_heads * preset.kv_channels, generator=g).to(dtype)
+    with torch.no_grad():
+        out = dict(
+            fusion=fusion,
+            qkv=(qkv_projection(block, hidden), qkv_projection(block, hidden, fusion)),
+            layer=(finish_layer(block, attn, hidden), finish_layer(block, attn, hidden, fusion)),
+        )
+    ps.destroy_model_parallel()
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_steps_equal_megatrons_modules(case):
+    """The kernels round where Megatron's modules round: in fp32 the outputs are Megatron's
+    within the sums' order, in bf16 they are Megatron's bit for bit (on this CPU; a GPU's
+    exp and rsqrt may move a last fp32 bit)."""
+    preset = _preset(case)
+    for dtype in (torch.float32, torch.bfloat16):
+        out = spawn(_layer_worker, 1, (case, dtype), timeout_s=200)[0]
+        fusion = out["fusion"]
+        assert fusion is not None and fusion.norms
+        assert fusion.activation == preset.activation.value and fusion.gated == preset.gated
+        for part in ("qkv", "layer"):
+            megatron, fused = out[part]
+            assert fused.dtype == dtype and fused.shape == megatron.shape
+            if dtype == torch.float32:
+                torch.testing.assert_close(fused, megatron, atol=2e-5, rtol=2e-5)
+                continue
+            assert torch.equal(fused, megatron), (part, (fused != megatron).sum().item())
+
+
+def test_fusion_is_chosen_per_device_and_flag():
+    out = spawn(_choice_worker, 1, (), timeout_s=120)[0]
+    assert out == dict(enabled="DenseFusion(norms=True, activation='silu', gated=True)",
+                       disabled=None, default=None, no_triton_device=None)
+
+
+def _choice_worker(rank, world):
+    import parallel_state as ps
+    from tknp_megatron.executor.dense_fusion import dense_fusion_for
+    from tknp_megatron.models.model import build_stage_model
+
+    preset = _preset("llama")
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    model = build_stage_model(preset, [0], pre_process=False, post_process=False, tp=1,
+                              params_dtype=torch.float32, device=torch.device("cpu"))
+    cpu = torch.device("cpu")
+    enabled = dense_fusion_for(model, cpu, enabled=True)
+    disabled = dense_fusion_for(model, cpu, enabled=False)
+    default = dense_fusion_for(model, cpu)  # off a GPU only when asked, even under the interpreter
+    os.environ["TRITON_INTERPRET"] = "0"  # a CPU without the interpreter: Megatron's modules
+    no_triton_device = dense_fusion_for(model, cpu, enabled=True)
+    ps.destroy_model_parallel()
+    return dict(enabled=repr(enabled), disabled=disabled, default=default, no_triton_device=no_triton_device)
+
+
+def _engine_worker(rank, world, fused: bool):
+    import parallel_state as ps
+    from tests.helpers import random_prompts
+    from tknp_megatron.config import get_preset
+    from tknp_megatron.engine.config import EngineConfig
+    from tknp_megatron.engine.factory import Mode, build_engine
+    from tknp_megatron.sampling import SamplingParams
+
+    preset = get_preset("tiny")
+    groups = ps.initialize_model_parallel(tensor_model_parallel_size=1, token_parallel_size=world)
+    config = EngineConfig(kv_tokens_per_node=512, block_size=4, record_logits=True, fused_elementwise=fused)
+    engine = build_engine(Mode.TKNP, preset, groups, config, torch.device("cpu"), torch.float32, weights=0)
+    prompts = random_prompts(6, 3, 9, seed=11)
+    results = engine.generate(prompts, SamplingParams(max_new_tokens=6))
+    out = (engine.executor.fusion is not None, [(r.tokens, r.logits) for r in results])
+    ps.destroy_model_parallel()
+    return out if rank == 0 else None
+
+
+def test_a_pool_with_fused_kernels_gives_the_same_tokens():
+    fused_on, fused = spawn(_engine_worker, 2, (True,), timeout_s=300)[0]
+    fused_off, plain = spawn(_engine_worker, 2, (False,), timeout_s=300)[0]
+    assert fused_on and not fused_off
+    for (tokens_a, logits_a), (tokens_b, logits_b) in zip(fused, plain):
+        assert tokens_a == tokens_b
+        torch.testing.assert_close(logits_a, logits_b, atol=1e-4, rtol=0)
+
+
+def test_bench_dense_runs_on_cpu(tmp_path):
+    """``tools/bench_dense.py``'s CPU smoke run: one row per batch, fused (interpreted
+    kernels) and not, the fused output within rounding of Megatron's modules; bad flags are
+    one line before anything starts."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "dense.json"
+    cmd = [sys.executable, "-m", "tknp_megatron.tools.bench_dense", "--device", "cpu", "--model", "tiny",
+           "--batches", "3", "5", "--reps", "1", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["fused"], r["batch"]) for r in rows] == [(False, 3), (False, 5), (True, 3), (True, 5)]
+    for r in rows:
+        assert r["layer_us"] > 0 and r["linears_us"] > 0 and r["weight_bytes"] > 0
+        assert r["max_diff_vs_unfused"] <= 1e-5 * max(1.0, r["output_max"])
+    bad = subprocess.run(cmd[:-2] + ["--batches", "0"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--batches 0: must be at least 1" in bad.stderr.strip().splitlines()[-1]

@@ -1,0 +1,165 @@
+"""The element-wise work around the root's GEMMs, fused into one Triton kernel per step.
+
+Megatron's local layers run each torch norm as about eight element-wise kernels (upcast,
+square, mean, add, rsqrt, two scales, downcast), and the residual adds and the gated
+activation as kernels of their own: 21 small kernels beside a Llama layer's four GEMMs, 34-76
+us of kernel time per layer at B = 1-128 on an H200, plus the gaps between them in a graph
+(``tools/bench_dense.py``; ``benchmarks/RESULTS.md``, "Dense work around the GEMMs"). On a
+GPU the root runs instead, per layer:
+
+* the input norm: one kernel (``add_norm_kernel`` with no residual);
+* after the output projection, its bias, the residual add and the pre-MLP norm: one kernel,
+  which also stores the sum (the MLP's residual);
+* the MLP's activation (gated or not, with FC1's bias): one kernel;
+
+and the second residual add as before. Each is where Megatron's module would be, on that
+module's own parameters (``weight``, ``bias``, ``eps``), so checkpoints, FP8 storage and
+Megatron's GEMM modules are untouched. The kernels round to the activations' dtype where
+Megatron's modules round, so their outputs are the modules' outputs up to the order of the
+norms' sums (``dense_kernels.py``). With Transformer Engine's layers the norms are fused into
+the QKV and FC1 GEMMs already (the spec's norms are identities): only the activation is
+replaced there. A module this does not know (another norm class, TE's fused MLP) runs as
+Megatron's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib.util import find_spec
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from tknp_megatron.models.norms import ZeroCenteredNorm
+
+__all__ = ["DenseFusion", "dense_fusion_for", "fused_activation", "fused_add_norm"]
+
+_NORM_BLOCK = 2048  # columns per chunk of a norm's row (any width: rows are looped)
+_ACT_BLOCK = 1024
+
+
+@dataclass(frozen=True)
+class DenseFusion:
+    """Which of a layer's element-wise steps run fused (one per model: its layers are alike).
+
+    Attributes:
+        norms: the input and pre-MLP norms are torch ``RMSNorm`` / ``LayerNorm`` or
+            :class:`~tknp_megatron.models.norms.ZeroCenteredNorm` (local spec).
+        activation: ``silu``, ``gelu`` or ``squared_relu`` (the MLP is Megatron's ``MLP``),
+            else None.
+        gated: the activation gates (SwiGLU, GeGLU): FC1's output is ``[rows, 2 F / T]``.
+    """
+
+    norms: bool
+    activation: Optional[str]
+    gated: bool
+
+    def input_norm(self, block, hidden: torch.Tensor) -> torch.Tensor:
+        """``block.input_layernorm(hidden)``: ``[rows, 1, D]`` -> ``[rows, 1, D]``."""
+        if not self.norms:
+            return block.input_layernorm(hidden)
+        return fused_add_norm(block.input_layernorm, hidden)[0]
+
+    def add_norm(self, block, out: torch.Tensor, bias: Optional[torch.Tensor],
+                 residual: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The self-attention's bias-dropout-add (inference: no dropout) and the pre-MLP
+        norm: ``(h, norm(h))`` with ``h = out (+ bias) + residual``, each ``[rows, 1, D]``."""
+        if not self.norms:
+            cfg = block.config
+            hidden = block.self_attn_bda(False, cfg.bias_dropout_fusion)((out, bias), residual,
+                                                                         block.hidden_dropout)
+            return hidden, block.pre_mlp_layernorm(hidden)
+        normed, hidden = fused_add_norm(block.pre_mlp_layernorm, out, residual, bias)
+        return hidden, normed
+
+    def mlp(self, block, normed: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``block.mlp(normed)``: ``(output [rows, 1, D], bias or None)``."""
+        if self.activation is None:
+            return block.mlp(normed)
+        inter, bias = block.mlp.linear_fc1(normed)
+        inter = fused_activation(inter, bias, self.activation, self.gated)
+        return block.mlp.linear_fc2(inter)
+
+
+def dense_fusion_for(model, device: torch.device, enabled: Optional[bool] = None) -> Optional[DenseFusion]:
+    """The fusion ``model``'s layers take on ``device`` (None: run Megatron's modules).
+
+    ``enabled``: None on a GPU only; True wherever Triton runs (a GPU, or any device under
+    ``TRITON_INTERPRET=1``: tests ask for it there, the interpreter being far too slow to
+    serve with); False never.
+    """
+    from tknp_megatron.attention.triton_paged import triton_supports_device
+
+    layers = list(model.decoder.layers.values())
+    runs = device.type == "cuda" if enabled is None else enabled and triton_supports_device(device)
+    if not (runs and layers and find_spec("triton")):
+        return None
+    block = layers[0]
+    cfg = block.config
+    norms = _fusable_norm(block.input_layernorm) and _fusable_norm(block.pre_mlp_layernorm)
+    activation = _activation_name(cfg.activation_func) if type(block.mlp).__name__ == "MLP" else None
+    if activation is not None and (cfg.bias_activation_fusion or cfg.use_te_activation_func):
+        activation = None  # Megatron's own fused activation is configured: keep it
+    if not norms and activation is None:
+        return None
+    return DenseFusion(norms=norms, activation=activation, gated=bool(cfg.gated_linear_unit))
+
+
+def _fusable_norm(module) -> bool:
+    return type(module) in (torch.nn.RMSNorm, torch.nn.LayerNorm, ZeroCenteredNorm)
+
+
+def _activation_name(fn) -> Optional[str]:
+    from tknp_megatron.config import squared_relu
+
+    names = {F.silu: "silu", F.gelu: "gelu", squared_relu: "squared_relu"}
+    return names.get(fn)
+
+
+def fused_add_norm(norm, x: torch.Tensor, residual: Optional[torch.Tensor] = None,
+                   bias: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(h), h)`` with ``h = x (+ bias) (+ residual)`` in one kernel, on ``norm``'s
+    parameters (a torch ``RMSNorm`` / ``LayerNorm`` or ``ZeroCenteredNorm``).
+
+    Shapes ``[..., D]``; without a residual ``h`` is ``x`` (not copied).
+    """
+    from tknp_megatron.executor.dense_kernels import add_norm_kernel
+
+    cols = x.shape[-1]
+    x2 = x.reshape(-1, cols)
+    rms = type(norm) is torch.nn.RMSNorm or getattr(norm, "rms", False)
+    eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
+    nb = None if rms else norm.bias
+    out = torch.empty_like(x2)
+    total = torch.empty_like(x2) if residual is not None else x2
+    res = residual.reshape(-1, cols) if residual is not None else x2
+    add_norm_kernel[(x2.shape[0],)](
+        x2, bias if bias is not None else x2, res, total, norm.weight, nb if nb is not None else norm.weight,
+        out, cols, float(eps),
+        HAS_BIAS=bias is not None, HAS_RES=residual is not None, RMS=rms,
+        ZERO_CENTRED=isinstance(norm, ZeroCenteredNorm), HAS_NB=nb is not None,
+        BLOCK=min(_NORM_BLOCK, triton_next_pow2(cols)),
+    )
+    return out.view(x.shape), (total.view(x.shape) if residual is not None else x)
+
+
+def fused_activation(x: torch.Tensor, bias: Optional[torch.Tensor], activation: str,
+                     gated: bool) -> torch.Tensor:
+    """Megatron's MLP activation on FC1's output ``x`` ``[..., W]`` (+ its bias): ``[..., W / 2]``
+    gated (first half activated, times the second), else ``[..., W]``."""
+    from tknp_megatron.executor.dense_kernels import ACTIVATIONS, activation_kernel
+
+    width = x.shape[-1]
+    n_out = width // 2 if gated else width
+    x2 = x.reshape(-1, width)
+    out = x2.new_empty(x2.shape[0], n_out)
+    grid = (x2.shape[0], -(-n_out // _ACT_BLOCK))
+    activation_kernel[grid](x2, bias if bias is not None else x2, out, n_out,
+                            ACT=ACTIVATIONS[activation], GATED=gated, HAS_BIAS=bias is not None,
+                            BLOCK=_ACT_BLOCK)
+    return out.view(*x.shape[:-1], n_out)
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
