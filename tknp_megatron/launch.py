@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "init_distributed", "run_ranks", "spawn", "supervise", "PoolFailure"]
+__all__ = ["exit_with", "free_port", "init_distributed", "init_tool_process", "run_ranks", "spawn",
+           "supervise", "PoolFailure"]
 
 
 class PoolFailure(RuntimeError):
@@ -33,6 +34,32 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def init_tool_process(device_type: str) -> torch.device:
+    """A command-line tool's process group: under torchrun its rank, else a world of one;
+    NCCL on ``cuda`` (the device of ``LOCAL_RANK``, made current), gloo on ``cpu``. Returns
+    the device."""
+    if "RANK" not in os.environ:  # one process without torchrun
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    device = torch.device("cpu")
+    if device_type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
+def exit_with(main: Callable[[], int]) -> None:
+    """A console entry point: ``main()``, output flushed, then exit at once with its code,
+    skipping the interpreter's teardown (NCCL's, or an engine's worker processes', can hang
+    after the results are written)."""
+    import sys
+
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def init_distributed(backend: str, rank: int, world_size: int, timeout_s: float = 120.0) -> None:

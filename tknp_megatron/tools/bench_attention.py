@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -501,12 +500,10 @@ def main(argv=None) -> int:
 
 
 def cli() -> None:
-    """Console entry point: :func:`main`, then exit at once with its code (flushed output,
-    no interpreter teardown)."""
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    """Console entry point: :func:`main`, then exit at once (:func:`~tknp_megatron.launch.exit_with`)."""
+    from tknp_megatron.launch import exit_with
+
+    exit_with(main)
 
 
 if __name__ == "__main__":

@@ -128,22 +128,6 @@ def _linears(block, hidden, attn, fc2_in):
     return block.mlp.linear_fc2(fc2_in)
 
 
-def _kernels(fn) -> List[dict]:
-    """Kernels of one call of ``fn`` (a graph replay), longest first: name, us, calls."""
-    from torch.profiler import ProfilerActivity, profile
-
-    reps = 5
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    rows = [dict(name=e.key[:100], us=round(e.device_time_total / reps, 2), calls=e.count / reps)
-            for e in prof.key_averages() if e.device_time_total > 0]
-    return sorted(rows, key=lambda r: -r["us"])
-
-
 def _is_gemm(name: str) -> bool:
     low = name.lower()
     return any(m in low for m in _GEMM_MARKS)
@@ -153,7 +137,7 @@ def dense_row(name: str, preset, block, config, tp_group, tp: int, batch: int, r
               read_b_s: float, profile: bool, fusion=None) -> DenseRow:
     """Time ``block``'s dense work at ``batch`` rows (graphed on a GPU, eager on CPU)."""
     from tknp_megatron.models.precision import dense_autocast
-    from tknp_megatron.tools.bench_step import graph_time, time_steps
+    from tknp_megatron.tools.bench_step import graph_time, kernel_rows, time_steps
 
     p = next(block.parameters())
     device, dtype = p.device, config.params_dtype
@@ -176,7 +160,7 @@ def dense_row(name: str, preset, block, config, tp_group, tp: int, batch: int, r
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
                     layer()
-                kernels = _kernels(g.replay)
+                kernels = [dict(k, name=k["name"][:100], us=round(k["us"], 2)) for k in kernel_rows(g.replay)]
         else:
             layer_s = time_steps(layer, reps)
             linears_s = time_steps(lambda: _linears(block, hidden, attn, fc2_in), reps)
@@ -246,15 +230,9 @@ def print_table(rows: List[DenseRow]) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     warnings.simplefilter("ignore")
-    if "RANK" not in os.environ:  # one process without torchrun
-        from tknp_megatron.launch import free_port
+    from tknp_megatron.launch import init_tool_process
 
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    device = torch.device("cpu")
-    if args.device == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    device = init_tool_process(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     read_b_s = read_bandwidth(device)
     rows: List[DenseRow] = []

@@ -335,11 +335,10 @@ def main(argv=None) -> int:
 
 
 def cli() -> None:
-    """Console entry point: :func:`main`, then exit at once (NCCL teardown can hang)."""
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    """Console entry point: :func:`main`, then exit at once (:func:`~tknp_megatron.launch.exit_with`)."""
+    from tknp_megatron.launch import exit_with
+
+    exit_with(main)
 
 
 if __name__ == "__main__":

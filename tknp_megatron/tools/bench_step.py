@@ -220,12 +220,9 @@ def bench_shape(ex, preset, batch, ctx, args) -> dict:
                 **kernels, **parts)
 
 
-def kernel_profile(fn, reps: int = 5, top: int = 14) -> dict:
-    """GPU kernels of ``fn`` (a graphed step): busy time per step and the top kernels.
-
-    ``busy_ms`` sums kernel durations per step (NCCL kernels include their wait for the
-    peer); graph step time minus busy time is GPU idle time (launch gaps, host).
-    """
+def kernel_rows(fn, reps: int = 5) -> list:
+    """GPU kernels of one call of ``fn`` (CUPTI, averaged over ``reps`` calls after one
+    warm-up), longest first: ``dict(name, us, calls)`` per kernel."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -234,10 +231,21 @@ def kernel_profile(fn, reps: int = 5, top: int = 14) -> dict:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    rows = [(e.key, e.device_time_total / 1e3 / reps, e.count / reps) for e in prof.key_averages()]
-    rows.sort(key=lambda r: -r[1])
-    return dict(busy_ms=sum(r[1] for r in rows),
-                kernels=[dict(name=k[:90], ms=round(ms, 4), calls=c) for k, ms, c in rows[:top]])
+    rows = [dict(name=e.key, us=e.device_time_total / reps, calls=e.count / reps)
+            for e in prof.key_averages() if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r["us"])
+
+
+def kernel_profile(fn, reps: int = 5, top: int = 14) -> dict:
+    """GPU kernels of ``fn`` (a graphed step): busy time per step and the top kernels.
+
+    ``busy_ms`` sums kernel durations per step (NCCL kernels include their wait for the
+    peer); graph step time minus busy time is GPU idle time (launch gaps, host).
+    """
+    rows = kernel_rows(fn, reps)
+    return dict(busy_ms=sum(r["us"] for r in rows) / 1e3,
+                kernels=[dict(name=r["name"][:90], ms=round(r["us"] / 1e3, 4), calls=r["calls"])
+                         for r in rows[:top]])
 
 
 def summarize(rows_by_rank, layers: int) -> list:

@@ -52,6 +52,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import List, Optional
 
+from tknp_megatron.tools.bench_megatron_engine import replica_requests  # the same DP split
+
 __all__ = ["VllmRow", "hf_llama_config", "write_model_dir", "replica_requests", "decode_figures", "main"]
 
 # vLLM settings this tool relies on; set unless the caller set them.
@@ -234,11 +236,6 @@ def write_model_dir(preset, max_model_len: int, directory) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(hf_llama_config(preset, max_model_len), indent=1) + "\n")
     return directory
-
-
-def replica_requests(n: int, replicas: int, index: int) -> List[int]:
-    """Request ids replica ``index`` of ``replicas`` serves out of ``n``: every replicas-th."""
-    return list(range(index, n, replicas))
 
 
 def decode_figures(t_1: float, t_n: float, requests: int, n: int) -> dict:
@@ -424,11 +421,10 @@ def main(argv=None) -> int:
 
 
 def cli() -> None:
-    """Console entry point: :func:`main`, then exit at once (vLLM's worker teardown can hang)."""
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    """Console entry point: :func:`main`, then exit at once (:func:`~tknp_megatron.launch.exit_with`)."""
+    from tknp_megatron.launch import exit_with
+
+    exit_with(main)
 
 
 if __name__ == "__main__":

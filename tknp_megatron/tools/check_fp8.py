@@ -399,15 +399,9 @@ def speed_part(args, device, dtype) -> List[dict]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     warnings.simplefilter("ignore")
-    if "RANK" not in os.environ:  # one process without torchrun
-        from tknp_megatron.launch import free_port
+    from tknp_megatron.launch import init_tool_process
 
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    device = torch.device("cpu")
-    if args.device == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    device = init_tool_process(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     parts = dict(tokens=tokens_part, modes=modes_part, dcp=dcp_part, memory=memory_part, speed=speed_part)
     out = {}
