@@ -8,7 +8,8 @@
 #     128 output tokens, CUDA graphs), fused and not, per IMPLS (default "local");
 # (3) memory: check_fp8's memory and tokens parts (FP8 weights quantized while loading: the
 #     peak while building and loading against its bound, first tokens against Megatron's
-#     GPTModel), where Transformer Engine is installed.
+#     GPTModel), then the tokens part again with --no-fused-elementwise (Megatron's modules
+#     between the GEMMs, as the reference runs them), where Transformer Engine is installed.
 # megatron-core (and TE for te/fp8) on PYTHONPATH, carried as wheels (../shared/DEVICE.md).
 # Usage: OUT=dir [PARTS="dense serving memory"] [FORMATS="local te fp8 fp8-blockwise"]
 #        [IMPLS="local transformer_engine"] [BATCHES="1 16 64 128 256"] bash $0
@@ -34,8 +35,12 @@ for part in ${PARTS:-dense serving}; do
                  grep -a -E "^ +DP " "$OUT/$name.log" | tail -n 2
                done
              done ;;
-    memory) timeout -k 5 400 $T -m tknp_megatron.tools.check_fp8 --parts memory tokens \
+    memory) timeout -k 5 300 $T -m tknp_megatron.tools.check_fp8 --parts memory tokens \
               --formats ${MEMORY_FORMATS:-te fp8 fp8-blockwise} --out "$OUT/check_fp8.json" > "$OUT/check_fp8.log" 2>&1
-            echo "exit $?"; sed -n '/^== memory/,$p' "$OUT/check_fp8.log" ;;
+            echo "exit $?"; sed -n '/^== memory/,$p' "$OUT/check_fp8.log"
+            timeout -k 5 150 $T -m tknp_megatron.tools.check_fp8 --parts tokens --no-fused-elementwise \
+              --formats ${MEMORY_FORMATS:-te fp8 fp8-blockwise} --out "$OUT/check_fp8_unfused.json" \
+              > "$OUT/check_fp8_unfused.log" 2>&1
+            echo "unfused exit $?"; sed -n '/^== tokens/,$p' "$OUT/check_fp8_unfused.log" ;;
   esac
 done

@@ -24,7 +24,12 @@ tensorwise / blockwise). Three parts, each printed as a table and written to ``-
    working memory; docs/ARCHITECTURE.md, "FP8 on the root").
 3. Speed. One ``--dense-model`` layer's dense work (fused norm + QKV, attention output
    projection, residual, norm + MLP; attention excluded) at each ``--batches``, captured in
-   a CUDA graph, per format: microseconds and the ratio to ``te``.
+   a CUDA graph, per format, as the engine runs it (fused element-wise kernels;
+   ``tools/bench_dense.py`` sets it beside Megatron's modules): microseconds, the weight-read
+   floor and the ratio to ``te``.
+
+``--no-fused-elementwise`` runs the engines of parts 1, modes and dcp with Megatron's modules
+between the GEMMs, as Megatron's ``GPTModel`` reference runs them.
 
 ``--parts modes`` also runs every mode that fits one GPU (TKNP, DP, TP, PP) with the last
 format, CUDA graphs on. ``--parts dcp`` runs DCP, whose head-structured QKV is its own
