@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["exit_with", "free_port", "init_distributed", "init_tool_process", "run_ranks", "spawn",
+__all__ = ["end_tool_process", "exit_with", "free_port", "init_distributed", "init_tool_process", "run_ranks", "spawn",
            "supervise", "PoolFailure"]
 
 
@@ -48,6 +48,18 @@ def init_tool_process(device_type: str) -> torch.device:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return device
+
+
+def end_tool_process(device: torch.device) -> int:
+    """The end of a tool started by :func:`init_tool_process`, once its results are written:
+    on a GPU exit at once (NCCL's teardown can hang), else destroy the group; returns 0."""
+    import sys
+
+    sys.stdout.flush()
+    if device.type == "cuda":
+        os._exit(0)
+    dist.destroy_process_group()
+    return 0
 
 
 def exit_with(main: Callable[[], int]) -> None:

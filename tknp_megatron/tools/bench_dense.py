@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -230,7 +229,7 @@ def print_table(rows: List[DenseRow]) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     warnings.simplefilter("ignore")
-    from tknp_megatron.launch import init_tool_process
+    from tknp_megatron.launch import end_tool_process, init_tool_process
 
     device = init_tool_process(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -246,11 +245,7 @@ def main(argv=None) -> int:
                           f, indent=1)
     if dist.get_rank() == 0:
         print_table(rows)
-    sys.stdout.flush()
-    if device.type == "cuda":
-        os._exit(0)  # NCCL teardown can hang: the results are written
-    dist.destroy_process_group()
-    return 0
+    return end_tool_process(device)
 
 
 if __name__ == "__main__":

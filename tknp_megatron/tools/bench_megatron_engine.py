@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import List, Optional
 
-__all__ = ["PeerRow", "kv_buffer_gib", "replica_requests", "main"]
+__all__ = ["PeerRow", "kv_buffer_gib", "replica_requests", "trace_layout_problems", "main"]
 
 
 @dataclass(frozen=True)
@@ -95,20 +95,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    problems = []
-    for name in ("contexts", "batches"):
-        bad = [v for v in getattr(args, name) if v < 1]
-        if bad:
-            problems.append(f"--{name.replace('_', '-')} {bad[0]}: must be >= 1")
+    problems = trace_layout_problems(args)
     if args.output_len < 1:
         problems.append(f"--output-len {args.output_len}: must be >= 1")
-    if args.replicas < 1 or not 0 <= args.replica_index < args.replicas:
-        problems.append(f"--replica-index {args.replica_index}: must be in [0, --replicas {args.replicas})")
-    if args.replicas > 1 and args.tp > 1:
-        problems.append(f"--replicas {args.replicas} with --tp {args.tp}: one layout per run (DP or TP)")
-    small = [b for b in args.batches if b < args.replicas]
-    if small:
-        problems.append(f"--batches {small[0]}: fewer requests than --replicas {args.replicas}")
     if args.block_size_tokens < 1 or args.max_tokens < max(args.contexts):
         problems.append(f"--max-tokens {args.max_tokens}: must hold the longest prompt ({max(args.contexts)}; "
                         "no chunked prefill)")
@@ -151,6 +140,24 @@ def kv_buffer_gib(token_counts: List[int], block: int, layers: int, kv_heads_loc
     blocks = sum(-(-n // block) + 1 for n in token_counts)
     gib = blocks * block * 2 * layers * kv_heads_local * head_dim * elem_bytes * margin / 2**30
     return math.ceil(gib * 4) / 4
+
+
+def trace_layout_problems(args) -> List[str]:
+    """One line per bad trace or layout flag a peer tool shares (``--contexts``,
+    ``--batches``, ``--replicas`` / ``--replica-index``, ``--tp``)."""
+    problems = []
+    for name in ("contexts", "batches"):
+        bad = [v for v in getattr(args, name) if v < 1]
+        if bad:
+            problems.append(f"--{name} {bad[0]}: must be >= 1")
+    if args.replicas < 1 or not 0 <= args.replica_index < args.replicas:
+        problems.append(f"--replica-index {args.replica_index}: must be in [0, --replicas {args.replicas})")
+    if args.replicas > 1 and args.tp > 1:
+        problems.append(f"--replicas {args.replicas} with --tp {args.tp}: one layout per run (DP or TP)")
+    small = [b for b in args.batches if b < args.replicas]
+    if small:
+        problems.append(f"--batches {small[0]}: fewer requests than --replicas {args.replicas}")
+    return problems
 
 
 def replica_requests(n: int, replicas: int, index: int) -> List[int]:

@@ -52,7 +52,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import List, Optional
 
-from tknp_megatron.tools.bench_megatron_engine import replica_requests  # the same DP split
+from tknp_megatron.tools.bench_megatron_engine import (  # the same DP split and checks
+    replica_requests,
+    trace_layout_problems,
+)
 
 __all__ = ["VllmRow", "hf_llama_config", "write_model_dir", "replica_requests", "decode_figures", "main"]
 
@@ -135,23 +138,12 @@ def parse_args(argv=None):
     p.add_argument("--config-only", metavar="DIR", default=None, help="write DIR/config.json and stop")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    problems = []
-    for name in ("contexts", "batches"):
-        bad = [v for v in getattr(args, name) if v < 1]
-        if bad:
-            problems.append(f"--{name} {bad[0]}: must be >= 1")
+    problems = trace_layout_problems(args)
     if args.output_len < 2:
         problems.append(f"--output-len {args.output_len}: must be >= 2 (decode = the max_tokens=N run "
                         "minus the max_tokens=1 run)")
     if args.tp < 1:
         problems.append(f"--tp {args.tp}: must be >= 1")
-    if args.replicas < 1 or not 0 <= args.replica_index < args.replicas:
-        problems.append(f"--replica-index {args.replica_index}: must be in [0, --replicas {args.replicas})")
-    if args.replicas > 1 and args.tp > 1:
-        problems.append(f"--replicas {args.replicas} with --tp {args.tp}: one layout per run (DP or TP)")
-    small = [b for b in args.batches if b < args.replicas]
-    if small:
-        problems.append(f"--batches {small[0]}: fewer requests than --replicas {args.replicas}")
     if args.gpu_memory_gib is not None and args.gpu_memory_gib <= 0:
         problems.append(f"--gpu-memory-gib {args.gpu_memory_gib}: must be > 0")
     per_replica = max(len(replica_requests(b, args.replicas, args.replica_index)) for b in args.batches)

@@ -46,13 +46,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 import warnings
 from typing import Dict, List
 
 import torch
-import torch.distributed as dist
 
 from tknp_megatron.models.precision import DenseFormat
 
@@ -404,7 +402,7 @@ def speed_part(args, device, dtype) -> List[dict]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     warnings.simplefilter("ignore")
-    from tknp_megatron.launch import init_tool_process
+    from tknp_megatron.launch import end_tool_process, init_tool_process
 
     device = init_tool_process(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -422,11 +420,7 @@ def main(argv=None) -> int:
             with open(args.out, "w", encoding="utf-8") as f:
                 json.dump(out, f, indent=1)
     _print_tables(out)
-    sys.stdout.flush()
-    if device.type == "cuda":
-        os._exit(0)  # NCCL teardown can hang: the results are written
-    dist.destroy_process_group()
-    return 0
+    return end_tool_process(device)
 
 
 def _print_tables(out: dict) -> None:
