@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -82,6 +83,22 @@ class _LoadCalls:
         return n
 
 
+class _StagingCopies:
+    """Watches ``model.decoder.staging_layer``: ``stale`` is the most staging copies of
+    earlier rounds still alive when a copy is built (the load's peak allows none)."""
+
+    def __init__(self, model):
+        self.stale, built, build = 0, [], model.decoder.staging_layer
+
+        def watched(g):
+            self.stale = max(self.stale, sum(ref() is not None for ref in built))
+            layer = build(g)
+            built.append(weakref.ref(layer))
+            return layer
+
+        model.decoder.staging_layer = watched
+
+
 def _case(name, ckpts, calls):
     """This rank's results for one case (see the module docstring)."""
     import parallel_state as ps
@@ -120,13 +137,15 @@ def _case(name, ckpts, calls):
     }
     for how, plan_of in plans.items():
         model = fresh()
-        plan = plan_of(model)
+        plan, copies = plan_of(model), _StagingCopies(model)
         load_megatron_checkpoint(model, path, plan)
         out[how] = dict(calls=calls.take(), rounds=plan.rounds, staging=plan.staging,
-                        same=_same(_params(model), single))
+                        same=_same(_params(model), single), stale_copies=copies.stale)
     whole, staged = fresh(), fresh()
     fill_seeded_(whole, preset, SEED)
+    copies = _StagingCopies(staged)
     load_weights(staged, preset, SEED, plan_layer_rounds(staged, staging=True))
+    out["seeded_stale_copies"] = copies.stale
     out["seeded_same"] = _same(_params(whole), _params(staged))
     out["single_is_seeded"] = _same(single, _params(whole))  # the checkpoint holds the seed's values
     out["seeded_finite"] = all(torch.isfinite(p).all() for p in whole.parameters())
@@ -173,7 +192,7 @@ def test_rounds_load_what_one_load_loads(runs, case):
     for rank, r in enumerate(runs[case]):
         assert r["finite"] and r["single_calls"] == 1, (rank, r)
         for how in ("in_place", "staged", "two_layers"):
-            assert r[how]["same"], (rank, how, r[how])
+            assert r[how]["same"] and r[how]["stale_copies"] == 0, (rank, how, r[how])
         assert r["staged"]["staging"] and not r["in_place"]["staging"]
     seeded = [r["single_is_seeded"] for r in runs[case]]
     if CASES[case][2] == "tp2":
@@ -209,6 +228,7 @@ def test_padded_vocabulary_endpoints(runs):
 def test_seeded_fill_through_staging_equals_whole_fill(runs, case):
     for rank, r in enumerate(runs[case]):
         assert r["seeded_finite"] and r["seeded_same"], rank
+        assert r["seeded_stale_copies"] == 0, rank  # each round's copy freed before the next's
         assert r["refused"], rank
 
 

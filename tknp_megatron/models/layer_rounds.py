@@ -115,13 +115,16 @@ class _RoundView(torch.nn.Module):
                         endpoints=endpoints)
 
 
-def _free(layers: Dict[int, torch.nn.Module]) -> None:
-    """Drop ``layers`` (the round's staging copies) from the dict and make sure their
-    parameters are freed now, before the next round's copies: a module that references
-    itself (a hook bound to it) lives on until the garbage collector runs, which it does
-    only then."""
+def _load_from_staging_(model: StageModel, layers: Dict[int, torch.nn.Module]) -> None:
+    """Load each stored layer in ``layers`` (global index -> staging copy) from its copy and
+    free the copies, emptying ``layers``: each copy leaves the dict as its layer loads and no
+    name keeps it (a loop variable would keep the last copy alive while the next round builds
+    its own: two rounds of staging at the peak). A module that references itself (a hook
+    bound to it) lives on until the garbage collector runs, which it does then."""
     alive = [weakref.ref(p) for layer in layers.values() for p in layer.parameters()]
-    layers.clear()
+    while layers:
+        g = next(iter(layers))
+        load_layer_from_(model.layer(g), layers.pop(g), f"layer {g}")
     if any(ref() is not None for ref in alive):
         gc.collect()
 
@@ -153,9 +156,7 @@ def fill_in_rounds_(model: StageModel, fill: Callable[[torch.nn.Module], None],
             layers = {g: model.layer(g) for g in ids}
         fill(_RoundView(model, layers, endpoints=r == 0))
         if plan.staging:
-            for g, staged in layers.items():
-                load_layer_from_(model.layer(g), staged, f"layer {g}")
-            _free(layers)
+            _load_from_staging_(model, layers)
         del layers
     if plan.staging and torch.cuda.is_available():
         torch.cuda.empty_cache()  # the staging copies' memory goes back to the KV cache
