@@ -71,6 +71,23 @@ def test_decode_fp32(hq, hkv, d, bs, seq_lens, options):
     _check(case, torch.float32, **options)
 
 
+def test_decode_head_major_pages():
+    """Pages stored ``[Hkv, block_size, d]`` (``bench_attention --kv-layout head-major``) are read
+    through the cache's strides: the same output as the engine's token-major pages."""
+    kw = dict(num_heads=8, num_kv_heads=2, head_dim=16, block_size=8, seed=5)
+    token_major = make_paged_case([1, 1], [45, 70], **kw)
+    head_major = make_paged_case([1, 1], [45, 70], head_major=True, **kw)
+    assert head_major.k_cache.shape == token_major.k_cache.shape
+    assert head_major.k_cache.stride()[1:] == (16, 8 * 16, 1)  # slot, head, dim
+    head_major.k_cache.copy_(token_major.k_cache)
+    head_major.v_cache.copy_(token_major.v_cache)
+    head_major = type(head_major)(token_major.q, head_major.k_cache, head_major.v_cache, token_major.meta,
+                                  token_major.scale)
+    _check(head_major, torch.float32, num_splits=3, block_n=16)
+    backend = get_backend("triton", "cpu", num_splits=3, block_n=16)
+    assert torch.equal(backend(*head_major.args()), backend(*token_major.args()))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_decode_half(dtype):
     case = make_paged_case(

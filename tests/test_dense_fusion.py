@@ -1,8 +1,9 @@
 """The root's fused element-wise kernels (``executor/dense_fusion.py``) under TRITON_INTERPRET=1
 (CPU), against Megatron's own modules on the same layer: the input norm, the residual add +
 pre-MLP norm and the MLP's activation, for RMSNorm + SwiGLU (Llama), zero-centred LayerNorm +
-squared ReLU (Nemotron) and LayerNorm + GELU with biases (GPT); then a whole engine with and
-without them gives the same greedy tokens.
+squared ReLU (Nemotron) and LayerNorm + GELU with biases (GPT); the owners' RoPE + K/V append
+kernel (``Rope.rotate_and_append``) against Megatron's rotation and the cache write; then a
+whole engine with and without them all gives the same greedy tokens.
 
 TRITON_INTERPRET is read when a kernel is decorated: the kernels module is imported lazily
 (first use), and the spawned workers inherit the variable.
@@ -93,7 +94,8 @@ def test_fused_steps_equal_megatrons_modules(case):
 
 def test_fusion_is_chosen_per_device_and_flag():
     out = spawn(_choice_worker, 1, (), timeout_s=120)[0]
-    assert out == dict(enabled="DenseFusion(norms=True, activation='silu', gated=True)",
+    assert out == dict(enabled="DenseFusion(norms=True, activation='silu', gated=True, rope=False)",
+                       with_rope="DenseFusion(norms=True, activation='silu', gated=True, rope=True)",
                        disabled=None, default=None, no_triton_device=None)
 
 
@@ -108,12 +110,14 @@ def _choice_worker(rank, world):
                               params_dtype=torch.float32, device=torch.device("cpu"))
     cpu = torch.device("cpu")
     enabled = dense_fusion_for(model, cpu, enabled=True)
-    disabled = dense_fusion_for(model, cpu, enabled=False)
+    with_rope = dense_fusion_for(model, cpu, enabled=True, rope=True)
+    disabled = dense_fusion_for(model, cpu, enabled=False, rope=True)
     default = dense_fusion_for(model, cpu)  # off a GPU only when asked, even under the interpreter
     os.environ["TRITON_INTERPRET"] = "0"  # a CPU without the interpreter: Megatron's modules
     no_triton_device = dense_fusion_for(model, cpu, enabled=True)
     ps.destroy_model_parallel()
-    return dict(enabled=repr(enabled), disabled=disabled, default=default, no_triton_device=no_triton_device)
+    return dict(enabled=repr(enabled), with_rope=repr(with_rope), disabled=disabled, default=default,
+                no_triton_device=no_triton_device)
 
 
 def _engine_worker(rank, world, fused: bool):
@@ -126,11 +130,13 @@ def _engine_worker(rank, world, fused: bool):
 
     preset = get_preset("tiny")
     groups = ps.initialize_model_parallel(tensor_model_parallel_size=1, token_parallel_size=world)
-    config = EngineConfig(kv_tokens_per_node=512, block_size=4, record_logits=True, fused_elementwise=fused)
+    config = EngineConfig(kv_tokens_per_node=512, block_size=4, record_logits=True, fused_elementwise=fused,
+                          fused_rope=fused)
     engine = build_engine(Mode.TKNP, preset, groups, config, torch.device("cpu"), torch.float32, weights=0)
     prompts = random_prompts(6, 3, 9, seed=11)
     results = engine.generate(prompts, SamplingParams(max_new_tokens=6))
-    out = (engine.executor.fusion is not None, [(r.tokens, r.logits) for r in results])
+    ex = engine.executor
+    out = (ex.fusion is not None and ex.attend.fused_rope, [(r.tokens, r.logits) for r in results])
     ps.destroy_model_parallel()
     return out if rank == 0 else None
 
@@ -164,3 +170,70 @@ def test_bench_dense_runs_on_cpu(tmp_path):
         assert r["max_diff_vs_unfused"] <= 1e-5 * max(1.0, r["output_max"])
     bad = subprocess.run(cmd[:-2] + ["--batches", "0"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--batches 0: must be at least 1" in bad.stderr.strip().splitlines()[-1]
+
+
+ROPE_CASES = {
+    # preset case, preset overrides, dtype, rotary_interleaved
+    "llama-fp32": ("llama", {}, torch.float32, False),
+    "llama-bf16": ("llama", {}, torch.bfloat16, False),
+    "gqa4-d24-bf16": ("llama", dict(num_attention_heads=8, kv_channels=24), torch.bfloat16, False),
+    "interleaved-bf16": ("llama", {}, torch.bfloat16, True),
+    "partial-rotary-bf16": ("nemotron", {}, torch.bfloat16, False),  # rotary_percent 0.5
+}
+
+
+def _rope_worker(rank, world, case):
+    from types import SimpleNamespace
+
+    import parallel_state as ps
+    from tknp_megatron.attention import AttentionMetadata, get_backend
+    from tknp_megatron.executor.owner_attention import OwnerAttention
+    from tknp_megatron.executor.rope import Rope
+    from tknp_megatron.kv_cache import KVCacheSpec, PagedKVCache
+    from tknp_megatron.models.model import build_stage_model
+
+    base, overrides, dtype, interleaved = ROPE_CASES[case]
+    preset = _preset(base).replace(**overrides)
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    model = build_stage_model(preset, [0], pre_process=False, post_process=False, tp=1,
+                              params_dtype=dtype, device=torch.device("cpu"))
+    model.config.rotary_interleaved = interleaved
+    rope = Rope(preset, model.config, torch.device("cpu"))
+    heads, kv_heads, d = preset.num_attention_heads, preset.num_query_groups, preset.kv_channels
+    # three requests: two decoding (one row each), one prefilling 4 rows; pages of 4 tokens
+    q_lens, seq_lens = [1, 4, 1], [9, 6, 14]
+    spec = KVCacheSpec(num_layers=1, num_blocks=12, block_size=4, local_kv_heads=kv_heads, head_dim=d,
+                       dtype=dtype, max_slots=3, max_blocks_per_seq=4)
+    caches = [PagedKVCache(spec, torch.device("cpu")) for _ in range(2)]
+    g = torch.Generator().manual_seed(9)
+    start = torch.randn(caches[0].buffer.shape, generator=g).to(dtype)
+    blocks = [[7, 2, 11], [0, 5], [3, 9, 1, 4]]
+    for kv in caches:
+        kv.buffer.copy_(start)
+        for slot, bl in enumerate(blocks):
+            kv.assign(slot, bl)
+    positions = torch.tensor([8, 2, 3, 4, 5, 13])
+    slots = torch.tensor([0, 1, 1, 1, 1, 2])
+    meta = AttentionMetadata.from_lengths(q_lens, seq_lens, caches[0].block_table[:3])
+    freqs = rope.freqs(positions)
+    inp = SimpleNamespace(freqs=freqs, cos_sin=rope.cos_sin(freqs), slot_mapping=caches[0].slot_mapping(slots, positions),
+                          meta=meta)
+    qkv = (torch.randn(6, (heads + 2 * kv_heads) * d, generator=g) * 3).to(dtype)
+    outs = []
+    for kv, fused in zip(caches, (False, True)):
+        attend = OwnerAttention(kv, rope, get_backend("torch"), heads, kv_heads, d, fused_rope=fused)
+        outs.append(attend(0, qkv, inp))
+    ps.destroy_model_parallel()
+    return outs, [kv.buffer for kv in caches], start
+
+
+@pytest.mark.parametrize("case", list(ROPE_CASES))
+def test_fused_rope_and_append_equal_megatrons_rotation_and_the_cache_write(case):
+    """One kernel rotates the owner's query and key heads and appends K/V, for a decode and a
+    prefill request on scattered pages: its attention output and the cache afterwards equal
+    Megatron's ``apply_rotary_pos_emb`` followed by the cache's ``write``, bit for bit (in
+    bf16 too: the kernel rounds where Megatron's rotation rounds)."""
+    (megatron, fused), (cache_megatron, cache_fused), start = spawn(_rope_worker, 1, (case,), timeout_s=120)[0]
+    assert torch.equal(cache_fused, cache_megatron)
+    assert not torch.equal(cache_fused, start)  # the rows were written
+    assert fused.dtype == megatron.dtype and torch.equal(fused, megatron)

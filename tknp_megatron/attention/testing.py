@@ -85,18 +85,24 @@ def make_paged_case(
     spare_blocks: int = 3,
     pad_blocks: int = 1,
     poison: bool = True,
+    head_major: bool = False,
 ) -> PagedCase:
     """Random case: request ``r`` has ``query_lens[r]`` rows ending at ``seq_lens[r]``.
 
     The pool holds the requests' pages plus ``spare_blocks`` unassigned ones; every
-    block-table row has ``pad_blocks`` extra random entries.
+    block-table row has ``pad_blocks`` extra random entries. ``head_major`` stores the buffer
+    as ``[2, blocks, Hkv, block_size, d]`` (a page of one head is contiguous) and returns the
+    same ``[blocks, block_size, Hkv, d]`` views, strided.
     """
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-s // block_size) for s in seq_lens) + spare_blocks
     table = _shuffled_block_table(seq_lens, block_size, num_blocks, pad_blocks, gen)
     meta = AttentionMetadata.from_lengths(query_lens, seq_lens, table, device=device)
-    buf = torch.empty((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+    dims = (num_kv_heads, block_size) if head_major else (block_size, num_kv_heads)
+    buf = torch.empty((2, num_blocks, *dims, head_dim), dtype=dtype, device=device)
     buf.normal_(generator=_device_generator(device, seed))
+    if head_major:
+        buf = buf.transpose(2, 3)
     k_cache, v_cache = buf[0], buf[1]
     if poison:
         poison_unowned_slots(k_cache, meta)

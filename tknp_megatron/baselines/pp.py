@@ -63,7 +63,7 @@ class PPExecutor:
         t = groups.tp_size
         local_kv_heads = cfg.num_query_groups // t
         self.attend = OwnerAttention(kv, rope, backend, cfg.num_attention_heads // t,
-                                     local_kv_heads, cfg.kv_channels)
+                                     local_kv_heads, cfg.kv_channels, fused_rope=fusion is not None and fusion.rope)
         kv_slice = KVSlice.tp_heads(model.layer_ids, groups.tp_rank, t, local_kv_heads, cfg.kv_channels)
         self.admitter = Admitter(kv, kv_slice, device)  # every stage stores every request
         self.local_layer = {layer: i for i, layer in enumerate(model.layer_ids)}
@@ -266,7 +266,8 @@ class PPInferenceEngine(InferenceEngine):
         backend = get_backend(self.config.attention_backend, self.device)
         executor = PPExecutor(model, self.placement, self.groups, kv, rope, backend,
                               self.preset.vocab_size, self.device,
-                              dense_fusion_for(model, self.device, self.config.fused_elementwise))
+                              dense_fusion_for(model, self.device, self.config.fused_elementwise,
+                                               self.config.fused_rope))
         return BuiltExecutor(executor, kv, (blocks,))
 
     # ---------------------------------------------------------------- serving

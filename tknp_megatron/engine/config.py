@@ -48,6 +48,10 @@ class EngineConfig:
             (:mod:`tknp_megatron.executor.dense_fusion`): None on GPUs only, True wherever
             Triton runs (GPUs, or CPUs under ``TRITON_INTERPRET=1``: tests), False never
             (Megatron's modules).
+        fused_rope: with those kernels, the owners' RoPE and K/V append too, as one Triton
+            kernel per layer (:meth:`~tknp_megatron.executor.rope.Rope.rotate_and_append`).
+            Off by default until it has been measured on a GPU (proven equal to Megatron's
+            rotation and cache write on CPU only).
     """
 
     block_size: int = 16
@@ -64,6 +68,7 @@ class EngineConfig:
     freeze_gc: bool = True
     microbatches: int = 1
     fused_elementwise: Optional[bool] = None
+    fused_rope: bool = False
 
     def __post_init__(self):
         if self.microbatches not in (1, 2):

@@ -145,7 +145,7 @@ class TKNPInferenceEngine(LockstepEngine):
         cls = TKNPExecutor
         if self.config.microbatches == 2:
             from tknp_megatron.executor.dual_root import DualRootExecutor as cls
-        fusion = dense_fusion_for(model, device, self.config.fused_elementwise)
+        fusion = dense_fusion_for(model, device, self.config.fused_elementwise, self.config.fused_rope)
         executor = cls(model, self.placement, groups, kv, rope, backend, preset.vocab_size, device, ingest,
                        fusion)
         return BuiltExecutor(executor, kv, tuple(block_counts), ingest)

@@ -31,6 +31,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from tknp_megatron.executor.rope import fusable_rope
 from tknp_megatron.models.norms import ZeroCenteredNorm
 
 __all__ = ["DenseFusion", "dense_fusion_for", "fused_activation", "fused_add_norm"]
@@ -49,11 +50,15 @@ class DenseFusion:
         activation: ``silu``, ``gelu`` or ``squared_relu`` (the MLP is Megatron's ``MLP``),
             else None.
         gated: the activation gates (SwiGLU, GeGLU): FC1's output is ``[rows, 2 F / T]``.
+        rope: the owners' RoPE and K/V append run as one kernel per layer
+            (:meth:`~tknp_megatron.executor.rope.Rope.rotate_and_append`; Megatron's unfused
+            rotation is configured, :func:`~tknp_megatron.executor.rope.fusable_rope`).
     """
 
     norms: bool
     activation: Optional[str]
     gated: bool
+    rope: bool = False
 
     def input_norm(self, block, hidden: torch.Tensor) -> torch.Tensor:
         """``block.input_layernorm(hidden)``: ``[rows, 1, D]`` -> ``[rows, 1, D]``."""
@@ -82,12 +87,14 @@ class DenseFusion:
         return block.mlp.linear_fc2(inter)
 
 
-def dense_fusion_for(model, device: torch.device, enabled: Optional[bool] = None) -> Optional[DenseFusion]:
+def dense_fusion_for(model, device: torch.device, enabled: Optional[bool] = None,
+                     rope: bool = False) -> Optional[DenseFusion]:
     """The fusion ``model``'s layers take on ``device`` (None: run Megatron's modules).
 
     ``enabled``: None on a GPU only; True wherever Triton runs (a GPU, or any device under
     ``TRITON_INTERPRET=1``: tests ask for it there, the interpreter being far too slow to
-    serve with); False never.
+    serve with); False never. ``rope``: the owners' RoPE and K/V append as well, where the
+    model's rotation is Megatron's unfused one (``EngineConfig.fused_rope``).
     """
     from tknp_megatron.attention.triton_paged import triton_supports_device
 
@@ -101,9 +108,10 @@ def dense_fusion_for(model, device: torch.device, enabled: Optional[bool] = None
     activation = _activation_name(cfg.activation_func) if type(block.mlp).__name__ == "MLP" else None
     if activation is not None and (cfg.bias_activation_fusion or cfg.use_te_activation_func):
         activation = None  # Megatron's own fused activation is configured: keep it
-    if not norms and activation is None:
+    rope = rope and fusable_rope(cfg)
+    if not norms and activation is None and not rope:
         return None
-    return DenseFusion(norms=norms, activation=activation, gated=bool(cfg.gated_linear_unit))
+    return DenseFusion(norms=norms, activation=activation, gated=bool(cfg.gated_linear_unit), rope=rope)
 
 
 def _fusable_norm(module) -> bool:

@@ -1,7 +1,9 @@
 """An owner's attention for one layer: split QKV, RoPE, append K/V, paged attention.
 
 Input is this TP rank's fused QKV columns for the owner's rows, in Megatron's layout
-(per query group: its query heads, then k, then v); output is ``[rows, heads * d]``.
+(per query group: its query heads, then k, then v); output is ``[rows, heads * d]``. With
+``fused_rope`` the split, the rotation and the append are one kernel
+(:meth:`~tknp_megatron.executor.rope.Rope.rotate_and_append`), else Megatron's functions.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ class OwnerAttention:
         heads: query heads on this TP rank.
         kv_heads: KV heads on this TP rank.
         head_dim: d_h.
+        fused_rope: rotate and append in one kernel (GPUs; ``DenseFusion.rope``).
     """
 
     def __init__(self, kv: PagedKVCache, rope: Rope, backend: AttentionBackend,
-                 heads: int, kv_heads: int, head_dim: int):
+                 heads: int, kv_heads: int, head_dim: int, fused_rope: bool = False):
         self.kv, self.rope, self.backend = kv, rope, backend
+        self.fused_rope = fused_rope
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.scale = head_dim ** -0.5
 
@@ -40,6 +44,11 @@ class OwnerAttention:
     def __call__(self, cache_layer: int, qkv: torch.Tensor, inp) -> torch.Tensor:
         """``[rows, qkv_width]`` -> ``[rows, heads * d]``; ``inp`` is the step's StepInputs."""
         rows = qkv.shape[0]
+        if self.fused_rope:
+            k_cache, v_cache = self.kv.layer(cache_layer)
+            q = self.rope.rotate_and_append(qkv, inp.cos_sin, inp.slot_mapping, k_cache, v_cache, self.kv_heads)
+            out = self.backend.forward(q, k_cache, v_cache, inp.meta, self.scale)
+            return out.reshape(rows, self.heads * self.head_dim)
         per_group = self.heads // self.kv_heads
         mixed = qkv.view(rows, self.kv_heads, per_group + 2, self.head_dim)
         # one RoPE call rotates each group's query heads and its key head together

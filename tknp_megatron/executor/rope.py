@@ -5,6 +5,12 @@ current CUDA device; owners need them for scattered positions (each request at i
 length) and on CPU too. The inverse frequencies (including Llama 3.1 scaling) come from
 Megatron's ``RotaryEmbedding`` and the rotation from Megatron's ``apply_rotary_pos_emb``,
 so the numerics are Megatron's.
+
+With the fused element-wise kernels and ``EngineConfig.fused_rope`` (``DenseFusion.rope``)
+an owner's rotation and its K/V append run as one Triton kernel per layer, :meth:`Rope.rotate_and_append`
+(``rope_kernels.py``), in place of about a dozen small kernels (the splits and copies of the
+fused QKV, the rotation's multiplies, adds and casts, two index copies), with Megatron's
+rounding; the cosines and sines are computed once a step (:meth:`Rope.cos_sin`).
 """
 
 from __future__ import annotations
@@ -15,7 +21,13 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 
 from tknp_megatron.config import ModelPreset
 
-__all__ = ["Rope"]
+__all__ = ["Rope", "fusable_rope"]
+
+
+def fusable_rope(config) -> bool:
+    """Megatron's unfused bshd rotation is what :meth:`Rope.rotate_and_append` computes:
+    not with TE's fused RoPE (``apply_rope_fusion``, other rounding) or MLA's layout."""
+    return not (getattr(config, "apply_rope_fusion", False) or getattr(config, "multi_latent_attention", False))
 
 
 class Rope:
@@ -56,3 +68,35 @@ class Rope:
         """Rotate ``t`` ``[rows, heads, d]`` by ``freqs`` from :meth:`freqs`."""
         out = apply_rotary_pos_emb(t.unsqueeze(1), freqs, self.config, cp_group=self.cp_group)
         return out.squeeze(1)
+
+    @staticmethod
+    def cos_sin(freqs: torch.Tensor) -> torch.Tensor:
+        """``[rows, 1, 1, rot_dim]`` angles -> ``[rows, 2, rot_dim]`` float32 cosines and sines
+        (Megatron's ``cos_`` and ``sin_`` before their cast to the activations' dtype)."""
+        f = freqs.flatten(1)
+        return torch.stack((torch.cos(f), torch.sin(f)), dim=1)
+
+    def rotate_and_append(self, qkv: torch.Tensor, cos_sin: torch.Tensor, slot_mapping: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor, kv_heads: int) -> torch.Tensor:
+        """Megatron's layout ``qkv`` ``[rows, Hkv * (G + 2) * d]`` -> rotated queries
+        ``[rows, Hkv * G, d]``; the rotated keys and the values are written to ``k_cache`` /
+        ``v_cache`` ``[blocks, block_size, Hkv, d]`` at ``slot_mapping`` ``[rows]``. One kernel;
+        equal to :meth:`apply` on the query and key heads followed by the cache's ``write``."""
+        from tknp_megatron.executor.rope_kernels import rope_append_kernel
+        from tknp_megatron.executor.dense_fusion import triton_next_pow2
+
+        rows = qkv.shape[0]
+        head_dim = k_cache.shape[-1]
+        group = qkv.shape[1] // (kv_heads * head_dim) - 2
+        q = qkv.new_empty((rows, kv_heads * group, head_dim))
+        if rows == 0:
+            return q
+        if qkv.stride(1) != 1:
+            qkv = qkv.contiguous()
+        rope_append_kernel[(rows, kv_heads)](
+            qkv, cos_sin, slot_mapping, q, k_cache, v_cache, qkv.stride(0),
+            *k_cache.stride()[:3], *v_cache.stride()[:3],
+            GROUP=group, GROUP_PAD=triton_next_pow2(group + 1), HEAD_DIM=head_dim,
+            D_PAD=triton_next_pow2(head_dim), ROT=cos_sin.shape[-1], PAGE=k_cache.shape[1],
+            INTERLEAVED=bool(self.interleaved))
+        return q

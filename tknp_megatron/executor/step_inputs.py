@@ -51,6 +51,8 @@ class StepInputs:
         tokens: ``[rows]`` input ids (used by the first root).
         slot_mapping: ``[own_rows]`` cache slots for this node's new K/V.
         freqs: ``[own_rows, 1, 1, rot_dim]`` RoPE angles of this node's rows.
+        cos_sin: ``[own_rows, 2, rot_dim]`` float32 their cosines and sines
+            (:meth:`~tknp_megatron.executor.rope.Rope.cos_sin`, for the fused RoPE + KV append).
         meta: attention metadata of this node's requests.
         last_rows: ``[R]`` row of each request's sampled token.
         sampling: the ``[R]`` sampling tensors of :func:`~tknp_megatron.sampling.sample`.
@@ -60,6 +62,7 @@ class StepInputs:
     tokens: torch.Tensor
     slot_mapping: torch.Tensor
     freqs: torch.Tensor
+    cos_sin: torch.Tensor
     meta: AttentionMetadata
     last_rows: torch.Tensor
     sampling: SamplingTensors
@@ -68,7 +71,7 @@ class StepInputs:
         """Every tensor field, in a fixed order (for copying into static buffers)."""
         m = self.meta
         return (
-            self.tokens, self.slot_mapping, self.freqs, m.query_start_loc, m.seq_lens,
+            self.tokens, self.slot_mapping, self.freqs, self.cos_sin, m.query_start_loc, m.seq_lens,
             m.block_table, self.last_rows, *self.sampling,
         )
 
@@ -207,11 +210,13 @@ def device_inputs(shape: StepShape, dev: StepHost, kv: PagedKVCache, rope: Rope,
         max_query_len=max_query_len,
         max_seq_len=max_seq_len,
     )
+    freqs = rope.freqs(dev.positions)
     return StepInputs(
         shape=shape,
         tokens=tokens,
         slot_mapping=kv.slot_mapping(dev.row_slots, dev.positions),
-        freqs=rope.freqs(dev.positions),
+        freqs=freqs,
+        cos_sin=rope.cos_sin(freqs),
         meta=meta,
         last_rows=dev.last_rows,
         sampling=dev.sampling,

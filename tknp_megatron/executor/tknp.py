@@ -87,7 +87,8 @@ class TKNPExecutor:
         self.heads = cfg.num_attention_heads // t
         self.local_kv_heads = cfg.num_query_groups // t
         self.head_dim = cfg.kv_channels
-        self.attend = OwnerAttention(kv, rope, attention, self.heads, self.local_kv_heads, self.head_dim)
+        self.attend = OwnerAttention(kv, rope, attention, self.heads, self.local_kv_heads, self.head_dim,
+                                     fused_rope=fusion is not None and fusion.rope)
         self.qkv_width = self.attend.qkv_width
         self.hidden_size = cfg.hidden_size
         self.dtype = cfg.params_dtype

@@ -8,7 +8,9 @@ before every rep, median, rotating among several query sets). ``--models`` takes
 shapes of model presets at each ``--tp``; ``--configs`` lists launch configs to compare
 (``auto`` is the backend's own per-shape choice; a suffix ``@k`` sets
 ``TritonConfig.balance``, slices of equal tokens on a grid of k times the splits);
-``--spread`` gives the requests mixed lengths.
+``--spread`` gives the requests mixed lengths; ``--kv-layout head-major`` stores each page
+as ``[Hkv, block_size, d]`` (one head's page contiguous) instead of the engine's
+``[block_size, Hkv, d]``, the Triton kernel reading it through strides (FA4 not timed there).
 
 - triton: the ``triton`` backend's decode (split-K) over the paged cache;
 - sdpa: ``scaled_dot_product_attention`` on q ``[B, Hq, 1, d]`` with contiguous K/V
@@ -48,6 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 8], help="TP sizes of --models")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-layout", choices=("token-major", "head-major"), default="token-major",
+                   help="page layout: [block_size, Hkv, d] (the engine's) or [Hkv, block_size, d]")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--reps", type=int, default=30)
@@ -156,7 +160,8 @@ def run_shape(env, args, batch, ctx, hq, hkv, head_dim):
     torch, device = env["torch"], env["device"]
     dtype = getattr(torch, args.dtype)
     elem = torch.finfo(dtype).bits // 8
-    row = dict(B=batch, ctx=ctx, hq=hq, hkv=hkv, head_dim=head_dim, block_size=args.block_size, dtype=args.dtype)
+    row = dict(B=batch, ctx=ctx, hq=hq, hkv=hkv, head_dim=head_dim, block_size=args.block_size, dtype=args.dtype,
+               kv_layout=args.kv_layout)
     lens = context_lengths(batch, ctx, args.spread)
     row["spread"], row["mean_ctx"] = args.spread, sum(lens) / batch
     row["kv_bytes"] = 2 * sum(lens) * hkv * head_dim * elem
@@ -171,10 +176,11 @@ def run_shape(env, args, batch, ctx, hq, hkv, head_dim):
             return row
     case = env["testing"].make_paged_case(
         [1] * batch, lens, num_heads=hq, num_kv_heads=hkv, head_dim=head_dim,
-        block_size=args.block_size, dtype=dtype, device=device, seed=batch + ctx + hq)
+        block_size=args.block_size, dtype=dtype, device=device, seed=batch + ctx + hq,
+        head_major=args.kv_layout == "head-major")
     qs = [case.q] + [torch.randn_like(case.q) for _ in range(args.query_sets - 1)]
     out, ref = check_and_time_triton(env, args, case, qs, row)
-    if env["fa4"] is not None:
+    if env["fa4"] is not None and args.kv_layout == "token-major":
         check_and_time_fa4(env, args, case, qs, row, ref)
     if not args.spread:
         time_contiguous_kernels(env, case, qs, out, row)

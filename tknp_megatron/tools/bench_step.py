@@ -30,7 +30,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from tknp_megatron.executor.dense import finish_layer, vocab_logits  # noqa: E402
+from tknp_megatron.executor.dense import finish_layer, qkv_projection, vocab_logits  # noqa: E402
 from tknp_megatron.plan import RequestColumns, StepPlan  # noqa: E402
 from tknp_megatron.profiler import PhaseTimer, PhaseTimes  # noqa: E402
 
@@ -44,6 +44,12 @@ def parse_args(argv=None):
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default=None)
+    p.add_argument("--no-fused-elementwise", action="store_true",
+                   help="Megatron's modules between the GEMMs instead of the fused kernels the engine "
+                        "runs on GPUs (EngineConfig.fused_elementwise)")
+    p.add_argument("--fused-rope", action="store_true",
+                   help="with the fused kernels, the owners' RoPE and K/V append as one kernel per layer "
+                        "(EngineConfig.fused_rope; off by default until measured on a GPU)")
     p.add_argument("--profile", action="store_true",
                    help="also list the GPU kernels of a graphed step (torch.profiler, CUPTI)")
     p.add_argument("--dry-run", action="store_true",
@@ -62,6 +68,7 @@ def setup(args):
     from tknp_megatron.attention import get_backend
     from tknp_megatron.config import get_preset
     from tknp_megatron.engine.factory import Mode, build_model, load_weights, placement_for
+    from tknp_megatron.executor.dense_fusion import dense_fusion_for
     from tknp_megatron.executor.rope import Rope
     from tknp_megatron.executor.tknp import TKNPExecutor
     from tknp_megatron.kv_cache import KVCacheSpec, PagedKVCache
@@ -88,8 +95,9 @@ def setup(args):
     for slot in range(per_owner):
         kv.assign(slot, range(slot * blocks_per_req, (slot + 1) * blocks_per_req))
     rope = Rope(preset, model.config, device)
+    fusion = dense_fusion_for(model, device, False if args.no_fused_elementwise else None, args.fused_rope)
     ex = TKNPExecutor(model, placement, groups, kv, rope, get_backend(None, device),
-                      preset.vocab_size, device)
+                      preset.vocab_size, device, fusion=fusion)
     return groups, preset, placement, ex
 
 
@@ -160,8 +168,8 @@ def compute_only(ex, preset, batch: int, ctx: int, num_nodes: int, reps: int) ->
     attn_in = torch.randn(batch, 1, ex.heads * ex.head_dim, device=ex.device, dtype=ex.dtype)
 
     def dense():
-        qkv, _ = block.self_attention.linear_qkv(block.input_layernorm(hidden))
-        finish_layer(block, attn_in, hidden)
+        qkv = qkv_projection(block, hidden, ex.fusion)
+        finish_layer(block, attn_in, hidden, ex.fusion)
         return qkv
 
     plan = decode_plan(batch, ctx, num_nodes, 0)
@@ -288,12 +296,13 @@ def main():
         table = summarize(gathered, args.layers)
         report = dict(model=args.model, layers=args.layers, nodes=n, tp=1,
                       placement=placement.describe(), graph_tokens_equal_eager=same,
+                      fused_elementwise=ex.fusion is not None,
                       gpu=torch.cuda.get_device_name() if not args.dry_run else "cpu (dry run)",
                       rows=table)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=1)
-        print(f"graph replay tokens == eager tokens: {same}")
+        print(f"graph replay tokens == eager tokens: {same}; fused element-wise kernels: {ex.fusion is not None}")
         print(f"{'B':>5} {'ctx':>6} {'eager_ms':>9} {'graph_ms':>9} {'dense_ms':>9} "
               f"{'attn_ms':>8} {'crit_ms':>8} {'exposed':>8}")
         for r in table:
