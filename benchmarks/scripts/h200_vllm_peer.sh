@@ -20,18 +20,17 @@
 # VLLM_FLAGS defaults to --warm-decode (prefix caching on, distinct prompts for the cold pair, then the
 # trace's prompts again from the cache: the full-batch decode step; see bench_vllm's docstring).
 # VLLM_FLAGS="" runs exactly the two cold generate calls per trace with prefix caching off.
-# Time (estimated, not yet measured): ours 2-4 min (OURS_TIMEOUT, default 240 s); vLLM 1-3 min to
-# start (import, engine-core spawn, torch.compile of the 12 layers from an empty cache, graph
-# capture of batch sizes up to 2 x the largest batch) plus four generate calls per trace, two of
-# them prefilling B x CTX tokens (VLLM_TIMEOUT, default 300 s). With the wheels' install in the
+# Time (nvidia-h200, 2026-12-03, NPROC=1, 8K): ours about 75 s for B = 16 and 64 (OURS_TIMEOUT,
+# default 240 s); vLLM 93-117 s to start (import, engine-core spawn, torch.compile of the 12 layers
+# from an empty cache: 16-18 s, graph capture) plus four generate calls per trace, two of them
+# prefilling B x CTX tokens (4.5 s at B=16, 18 s at 64, 36 s at 128) (VLLM_TIMEOUT, default 300 s);
+# with the wheels' install, the vLLM part of B = 16 and 64 took 204 s of one call. With the wheels' install in the
 # same 600 s call, SKIP_OURS=1 there and SKIP_VLLM=1 in the next call (the machine keeps /tmp/site
 # while warm) is safer; NPROC=2 runs three of these steps and needs splitting the same way.
 #
-# Not verified before the first GPU run (vllm_wheels.txt says how the rest was): that vllm's
-# kernels (_C_stable_libtorch, _vllm_fa3_C) load against torch 2.11.0+cu130 (vLLM 0.26.0 is built
-# for exactly that); that torchvision 0.26.0's ops load there (imported only because vLLM's kernel
-# warm-up imports a MiniMax module); that vLLM picks FLASH_ATTN with FA3 (it does on a faked SM 9.0
-# here) and starts with Inductor; and the run times above.
+# Seen on the first GPU run (nvidia-h200, 2026-12-03): vllm's kernels load against torch
+# 2.11.0+cu130, it picks FLASH_ATTN with FlashAttention 3 and starts with Inductor and CUDA graphs
+# (benchmarks/RESULTS.md, "vLLM as a peer"). NPROC=2 has not run yet.
 set -u
 OUT=${OUT:-out}; NPROC=${NPROC:-1}; mkdir -p "$OUT"
 VLLM_SITE=${VLLM_SITE:-/tmp/site}
