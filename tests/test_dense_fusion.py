@@ -216,8 +216,8 @@ def _rope_worker(rank, world, case):
     slots = torch.tensor([0, 1, 1, 1, 1, 2])
     meta = AttentionMetadata.from_lengths(q_lens, seq_lens, caches[0].block_table[:3])
     freqs = rope.freqs(positions)
-    inp = SimpleNamespace(freqs=freqs, cos_sin=rope.cos_sin(freqs), slot_mapping=caches[0].slot_mapping(slots, positions),
-                          meta=meta)
+    inp = SimpleNamespace(freqs=freqs, cos_sin=rope.cos_sin(freqs), meta=meta,
+                          slot_mapping=caches[0].slot_mapping(slots, positions))  # the StepInputs it reads
     qkv = (torch.randn(6, (heads + 2 * kv_heads) * d, generator=g) * 3).to(dtype)
     outs = []
     for kv, fused in zip(caches, (False, True)):

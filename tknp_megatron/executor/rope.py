@@ -7,10 +7,11 @@ Megatron's ``RotaryEmbedding`` and the rotation from Megatron's ``apply_rotary_p
 so the numerics are Megatron's.
 
 With the fused element-wise kernels and ``EngineConfig.fused_rope`` (``DenseFusion.rope``)
-an owner's rotation and its K/V append run as one Triton kernel per layer, :meth:`Rope.rotate_and_append`
-(``rope_kernels.py``), in place of about a dozen small kernels (the splits and copies of the
-fused QKV, the rotation's multiplies, adds and casts, two index copies), with Megatron's
-rounding; the cosines and sines are computed once a step (:meth:`Rope.cos_sin`).
+an owner's rotation and its K/V append run as one Triton kernel per layer,
+:meth:`Rope.rotate_and_append` (``rope_kernels.py``), in place of about a dozen small kernels
+(the splits and copies of the fused QKV, the rotation's multiplies, adds and casts, two index
+copies), with Megatron's rounding. The cosines and sines are computed once a step
+(:meth:`Rope.cos_sin`, three small kernels, whether or not the step uses them).
 """
 
 from __future__ import annotations
