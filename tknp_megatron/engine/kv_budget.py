@@ -8,14 +8,17 @@ must hold on every rank), and the coordinator learns every node's count.
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence
+from typing import TYPE_CHECKING, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from parallel_state import TokenParallelGroups
 from tknp_megatron.config import ModelPreset
 from tknp_megatron.kv_cache import KVCacheSpec
+
+if TYPE_CHECKING:  # parallel_state imports Megatron-Core (seconds of CPU), which a job's
+    # launching process, sizing the budget with waves_budget, has no other use for
+    from parallel_state import TokenParallelGroups
 
 __all__ = ["budget_blocks", "kv_cache_spec", "pool_block_counts", "waves_budget"]
 

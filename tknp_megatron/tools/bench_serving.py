@@ -87,10 +87,12 @@ def decide_dual(args) -> dict:
     pool simulator's single vs dual copy prediction on that trace (H200 costs, whatever the
     device) under this run's KV budget. Raises ValueError (one line) for a forced dual that
     cannot run."""
-    from tknp_megatron.analysis.dual_choice import choose_dual, dual_policy
-
     if Mode.TKNP_DUAL.value not in args.modes:
         return {}
+    # the pool simulator builds engines: importing it imports Megatron-Core (seconds of CPU,
+    # before the pool starts), so only for a run that asks for tknp-dual
+    from tknp_megatron.analysis.dual_choice import choose_dual, dual_policy
+
     (preset,) = [p for label, _, p in mode_runs(args) if label == Mode.TKNP_DUAL.value]
     nodes = int(os.environ.get("WORLD_SIZE", args.world)) // args.tp
     budget = _dual_budget(args, preset)
