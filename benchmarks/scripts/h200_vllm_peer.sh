@@ -16,7 +16,8 @@
 # its offline path imports, plus megatron-core 0.16.1) installed with `bash /root/stage/install.sh`
 # into /tmp/site. The script puts /tmp/site on PYTHONPATH itself (VLLM_SITE to change it).
 # Usage: OUT=dir [NPROC=1|2] [CTX="8192"] [BATCH="16 64"] [LAYERS=12] [OUTLEN=128] [MODES=...] \
-#        [SKIP_OURS=1 | SKIP_VLLM=1] [VLLM_FLAGS="--warm-decode ..."] bash benchmarks/scripts/h200_vllm_peer.sh
+#        [SKIP_OURS=1 | SKIP_VLLM=1] [VLLM_FLAGS="--warm-decode ..."] [OURS_FLAGS="--no-fused-rope ..."] \
+#        bash benchmarks/scripts/h200_vllm_peer.sh
 # VLLM_FLAGS defaults to --warm-decode (prefix caching on, distinct prompts for the cold pair, then the
 # trace's prompts again from the cache: the full-batch decode step; see bench_vllm's docstring).
 # VLLM_FLAGS="" runs exactly the two cold generate calls per trace with prefix caching off.
@@ -47,7 +48,7 @@ timeout -k 5 120 python -c "import torch, vllm, megatron.core; print('torch', to
 if [ "${SKIP_OURS:-0}" != 1 ]; then
   rm -rf /tmp/peer_ours
   timeout -k 5 ${OURS_TIMEOUT:-240} torchrun --nproc-per-node "$NPROC" -m tknp_megatron.tools.bench_serving \
-    --device cuda --modes $MODES --cuda-graphs $COMMON --out /tmp/peer_ours > "$OUT/ours.txt" 2>&1
+    --device cuda --modes $MODES --cuda-graphs $COMMON ${OURS_FLAGS:-} --out /tmp/peer_ours > "$OUT/ours.txt" 2>&1
   echo "ours ($MODES): exit $?"; cp /tmp/peer_ours/results.json "$OUT/ours.json" 2>/dev/null
   grep -a -v -i warn "$OUT/ours.txt" | tail -n 8
 fi

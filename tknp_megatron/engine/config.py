@@ -49,9 +49,10 @@ class EngineConfig:
             Triton runs (GPUs, or CPUs under ``TRITON_INTERPRET=1``: tests), False never
             (Megatron's modules).
         fused_rope: with those kernels, the owners' RoPE and K/V append too, as one Triton
-            kernel per layer (:meth:`~tknp_megatron.executor.rope.Rope.rotate_and_append`).
-            Off by default until it has been measured on a GPU (proven equal to Megatron's
-            rotation and cache write on CPU only).
+            kernel per layer (:meth:`~tknp_megatron.executor.rope.Rope.rotate_and_append`;
+            equal to Megatron's rotation and cache write bit for bit in the CPU tests, and
+            3-5 % off a one-GPU decode step on an H200: ``benchmarks/RESULTS.md``). False
+            keeps Megatron's rotation beside the other fused kernels.
     """
 
     block_size: int = 16
@@ -68,7 +69,7 @@ class EngineConfig:
     freeze_gc: bool = True
     microbatches: int = 1
     fused_elementwise: Optional[bool] = None
-    fused_rope: bool = False
+    fused_rope: bool = True
 
     def __post_init__(self):
         if self.microbatches not in (1, 2):

@@ -51,9 +51,9 @@ def parse_args(argv=None):
     p.add_argument("--no-fused-elementwise", action="store_true",
                    help="on GPUs, run the element-wise work between the root's GEMMs on Megatron's "
                         "modules instead of fused kernels (EngineConfig.fused_elementwise)")
-    p.add_argument("--fused-rope", action="store_true",
-                   help="with the fused kernels, the owners' RoPE and K/V append as one kernel per layer "
-                        "(EngineConfig.fused_rope; off by default until measured on a GPU)")
+    p.add_argument("--no-fused-rope", action="store_true",
+                   help="with the fused kernels, Megatron's RoPE and K/V append instead of one kernel "
+                        "per layer (EngineConfig.fused_rope)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--dtype", default=None)
     p.add_argument("--transformer-impl", default="auto", metavar="IMPL",
@@ -157,7 +157,7 @@ def worker(rank, world, args):
                           gpu_memory_cap_gib=args.gpu_memory_gib, cuda_graphs=args.cuda_graphs,
                           max_prefill_tokens=1 << 30,
                           fused_elementwise=False if args.no_fused_elementwise else None,
-                          fused_rope=args.fused_rope)
+                          fused_rope=not args.no_fused_rope)
     rows = []
     for ctx, batch, rate, trace in traces(args):
         for label, mode, preset in planned_runs(args, (ctx, batch, rate)):

@@ -47,9 +47,9 @@ def parse_args(argv=None):
     p.add_argument("--no-fused-elementwise", action="store_true",
                    help="Megatron's modules between the GEMMs instead of the fused kernels the engine "
                         "runs on GPUs (EngineConfig.fused_elementwise)")
-    p.add_argument("--fused-rope", action="store_true",
-                   help="with the fused kernels, the owners' RoPE and K/V append as one kernel per layer "
-                        "(EngineConfig.fused_rope; off by default until measured on a GPU)")
+    p.add_argument("--no-fused-rope", action="store_true",
+                   help="with the fused kernels, Megatron's RoPE and K/V append instead of one kernel "
+                        "per layer (EngineConfig.fused_rope)")
     p.add_argument("--profile", action="store_true",
                    help="also list the GPU kernels of a graphed step (torch.profiler, CUPTI)")
     p.add_argument("--dry-run", action="store_true",
@@ -95,7 +95,7 @@ def setup(args):
     for slot in range(per_owner):
         kv.assign(slot, range(slot * blocks_per_req, (slot + 1) * blocks_per_req))
     rope = Rope(preset, model.config, device)
-    fusion = dense_fusion_for(model, device, False if args.no_fused_elementwise else None, args.fused_rope)
+    fusion = dense_fusion_for(model, device, False if args.no_fused_elementwise else None, not args.no_fused_rope)
     ex = TKNPExecutor(model, placement, groups, kv, rope, get_backend(None, device),
                       preset.vocab_size, device, fusion=fusion)
     return groups, preset, placement, ex

@@ -92,9 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-fused-elementwise", action="store_true",
                    help="engines run the element-wise steps between the GEMMs on Megatron's modules "
                         "(EngineConfig.fused_elementwise), as the GPTModel reference does")
-    p.add_argument("--fused-rope", action="store_true",
-                   help="with the fused kernels, the owners' RoPE and K/V append as one kernel per layer "
-                        "(EngineConfig.fused_rope; off by default until measured on a GPU)")
+    p.add_argument("--no-fused-rope", action="store_true",
+                   help="with the fused kernels, Megatron's RoPE and K/V append instead of one kernel "
+                        "per layer (EngineConfig.fused_rope)")
     p.add_argument("--out", default=None, metavar="FILE")
     args = p.parse_args(argv)
     if args.device == "cpu":
@@ -153,7 +153,7 @@ def _engine_tokens(work: _Work, mode, groups, fmt, device, dtype, args, cuda_gra
     config = EngineConfig(kv_tokens_per_node=kv, gpu_memory_cap_gib=args.gpu_memory_cap_gib,
                           record_logits=not cuda_graphs, cuda_graphs=cuda_graphs,
                           fused_elementwise=False if args.no_fused_elementwise else None,
-                          fused_rope=args.fused_rope, attention_backend=attention_backend)
+                          fused_rope=not args.no_fused_rope, attention_backend=attention_backend)
     engine = build_engine(mode, work.preset, groups, config, device, dtype, weights=work.weights,
                           padded_vocab=work.padded_vocab, dense=fmt)
     results = engine.generate(work.prompts, [SamplingParams(max_new_tokens=n) for n in work.lengths])
