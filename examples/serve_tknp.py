@@ -165,7 +165,7 @@ def serve_rank(rank: int, world: int, job: ServeJob) -> None:
     from tknp_megatron.engine.factory import Mode, build_engine
     from tknp_megatron.models.tokenizer import server_tokenizer
     from tknp_megatron.serving.coordinator_link import CoordinatorLink
-    from tknp_megatron.serving.frontend import Frontend
+    from tknp_megatron.serving.frontend import Frontend, helper_context
     from tknp_megatron.serving.pool_server import PoolServer
 
     warnings.simplefilter("ignore")  # Megatron warns about missing Apex / TE at import
@@ -179,6 +179,8 @@ def serve_rank(rank: int, world: int, job: ServeJob) -> None:
         signal.signal(sig, lambda *_: stop.set())
     args, source = job.args, job.model
     preset = source.preset
+    if rank == 0:  # the front end's helper processes' server imports while the engine is built
+        helper_context()
     device = rank_device(args, rank)
     groups = ps.initialize_model_parallel(tensor_model_parallel_size=args.tp,
                                           token_parallel_size=args.nodes, num_pools=args.pools)

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["end_tool_process", "exit_with", "free_port", "init_distributed", "init_tool_process", "run_ranks", "spawn",
-           "supervise", "PoolFailure"]
+__all__ = ["end_tool_process", "exit_with", "forkserver_context", "free_port", "init_distributed",
+           "init_tool_process", "run_ranks", "spawn", "supervise", "PoolFailure"]
 
 
 class PoolFailure(RuntimeError):
@@ -101,16 +101,31 @@ def _from_bytes(data: bytes) -> Any:
 PRELOAD = ("torch", "torch.distributed", "megatron.core", "tknp_megatron.engine.factory")
 
 
-def _context():
-    """The pools' multiprocessing context: ``forkserver`` with :data:`PRELOAD` where the
-    platform has it (workers are forks of a clean server process, never of the caller,
-    so no threads or CUDA state are inherited), else ``spawn``."""
+UNIX_PATH_MAX = 108  # bytes of a Unix socket's address on Linux, its final NUL included
+
+
+def forkserver_context(preload: Sequence[str]):
+    """A multiprocessing context whose processes are forks of a clean server process that
+    imported ``preload`` once (never forks of the caller, so no threads or CUDA state are
+    inherited): ``forkserver``. ``spawn`` instead where the platform has no forkserver, or
+    where the server's socket would not fit a Unix socket's address: it lies under
+    ``$TMPDIR``, which a launcher or a test runner may set deep, and binding it would fail."""
+    from multiprocessing import util
+
     try:
         ctx = mp.get_context("forkserver")
     except ValueError:
         return mp.get_context("spawn")
-    ctx.set_forkserver_preload(list(PRELOAD))
+    listener = os.path.join(util.get_temp_dir(), "listener-" + "x" * 8)  # the server's address, as it names it
+    if len(os.fsencode(listener)) >= UNIX_PATH_MAX:
+        return mp.get_context("spawn")
+    ctx.set_forkserver_preload(list(preload))
     return ctx
+
+
+def _context():
+    """The pools' multiprocessing context (:func:`forkserver_context` with :data:`PRELOAD`)."""
+    return forkserver_context(PRELOAD)
 
 
 def _enter(env: Tuple[dict, str], port: int) -> None:

@@ -7,11 +7,11 @@ each request to a registered engine (here: a pool, see
 Megatron's ``DynamicInferenceEngine.start_listening_to_data_parallel_coordinator`` and
 its server launchers do:
 
-- the coordinator: ``DataParallelInferenceCoordinator.entrypoint`` in a spawned process
+- the coordinator: ``DataParallelInferenceCoordinator.entrypoint`` in a helper process
   (arguments filtered to what the installed version takes);
 - the HTTP server: Megatron's endpoint blueprints and its ``InferenceClient`` in one app,
   built as Megatron's own launchers build it (Flask in megatron-core 0.16, Quart from
-  0.17), served by hypercorn in spawned processes: as many replicas of it as Megatron's
+  0.17), served by hypercorn in helper processes: as many replicas of it as Megatron's
   own ``start_text_gen_server`` starts by default (one in 0.16, four from 0.17, each with
   its own client of the coordinator), all on one port (``SO_REUSEPORT``: the kernel
   spreads connections over them), so a burst of requests is parsed, tokenized and
@@ -21,8 +21,10 @@ its server launchers do:
   status 200, its client raises the request's failure reason instead, which the endpoint
   returns as an error response (0.17 and later check the status themselves).
 
-The spawned processes die with rank 0 (Linux ``PR_SET_PDEATHSIG``), so a killed pool
-leaves nothing behind.
+The helper processes are forks of one server process (:func:`helper_context`) that has
+imported what they run once, so none of them imports Megatron-Core again (seconds of CPU
+each). They die with rank 0 (the server exits when rank 0 does, and they with it: Linux
+``PR_SET_PDEATHSIG``), so a killed pool leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -42,7 +44,16 @@ from tknp_megatron.serving.megatron_types import REPLIES_ARE_RECORDS
 
 GRACEFUL_S = 10.0  # how long a stopping HTTP server may take to answer the requests it holds
 
-__all__ = ["Frontend", "default_replicas"]
+__all__ = ["Frontend", "default_replicas", "helper_context"]
+
+# What the helper processes run, imported by their server before it forks the first one
+# (modules a megatron-core version lacks are skipped).
+HELPER_PRELOAD = (
+    "torch", "torch.distributed", "megatron.core.inference.data_parallel_inference_coordinator",
+    "megatron.core.inference.inference_client",
+    "megatron.core.inference.text_generation_server.dynamic_text_gen_server.endpoints",
+    "hypercorn.asyncio", "hypercorn.config", "tknp_megatron.serving.frontend",
+)
 
 
 def _die_with_parent() -> None:
@@ -53,6 +64,30 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def helper_context():
+    """The helper processes' multiprocessing context, its server started: a forkserver that
+    imports :data:`HELPER_PRELOAD` once, then forks each helper (``spawn`` where there can be
+    none: :func:`~tknp_megatron.launch.forkserver_context`). Rank 0 calls it before building
+    its engine, so those imports run meanwhile. The server ignores SIGTERM and SIGINT, as the
+    helpers do (see :func:`_child`), and exits when rank 0 does."""
+    from multiprocessing import forkserver
+
+    from tknp_megatron.launch import forkserver_context
+
+    ctx = forkserver_context(HELPER_PRELOAD)
+    if ctx.get_start_method() != "forkserver":
+        return ctx
+    # An ignored signal stays ignored across exec: launchers such as torchrun send SIGTERM
+    # to the whole process group, and the helpers must outlive rank 0's orderly stop.
+    # (The forkserver ignores SIGINT itself.)
+    term = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGTERM, term)
+    return ctx
 
 
 def _child(target: Callable, kwargs: Dict[str, Any]) -> None:
@@ -94,7 +129,7 @@ class Frontend:
         )
 
         self.tokenizer, self.host = tokenizer, host
-        ctx = mp.get_context("spawn")
+        ctx = helper_context()
         parent, child = ctx.Pipe()
         self._ready = ctx.Event()
         entry = DataParallelInferenceCoordinator.entrypoint
@@ -120,7 +155,7 @@ class Frontend:
         """Start Megatron's HTTP server on ``port`` (``replicas`` processes; None: as many
         as the installed megatron-core's own launcher starts); returns its URL once every
         replica listens and ``/health`` answers."""
-        ctx = mp.get_context("spawn")
+        ctx = helper_context()
         self._http_stop = ctx.Event()
         listening = [ctx.Event() for _ in range(replicas or default_replicas())]
         self._http = [ctx.Process(target=_child, args=(_serve_http, dict(
