@@ -59,6 +59,8 @@ DECODE = [
     (16, 1, 16, 4, [90], dict(num_splits=5, block_n=16)),  # GQA 16, context % splits != 0
     (4, 1, 24, 3, [29, 8], dict(num_splits=2, block_n=16)),  # head_dim 24 (padded), block 3
     (2, 1, 16, 32, [5, 77], dict(num_splits=2)),  # page larger than block_n
+    (2, 1, 16, 64, [5, 150], dict(num_splits=2, block_n=16)),  # a tile inside one page
+    (4, 2, 16, 48, [100, 47], dict(num_splits=2, block_n=16)),  # the same, pages not a power of two
     (4, 1, 16, 8, [760, 50], dict(num_splits=24, block_n=16)),  # more slices than the merge reads at once
 ]
 

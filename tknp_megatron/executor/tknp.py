@@ -203,12 +203,16 @@ class TKNPExecutor:
     # ---------------------------------------------------------------- comm
     def _scatter_qkv(self, qkv: Optional[torch.Tensor], root: int, inp: StepInputs) -> torch.Tensor:
         """This node's rows ``[own_rows, qkv_width]`` of the root's QKV ``[rows, qkv_width]``."""
+        if self.comm.num_nodes == 1:  # one node (DP, TP): the root owns every row, nothing moves
+            return qkv
         rows = inp.shape.rows_per_owner
         mine = torch.empty(rows[self.node], self.qkv_width, dtype=self.dtype, device=self.device)
         return self.comm.scatter(qkv, root, rows, mine)
 
     def _gather_attention(self, attn: torch.Tensor, root: int, inp: StepInputs) -> Optional[torch.Tensor]:
         """Every owner's ``[own_rows, W]`` outputs -> ``[rows, W]`` in batch order on ``root``."""
+        if self.comm.num_nodes == 1:  # the root's own rows, already in batch order
+            return attn
         out = None
         if self.node == root:
             out = torch.empty(inp.shape.num_rows, attn.shape[1], dtype=self.dtype, device=self.device)
