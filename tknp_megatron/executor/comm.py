@@ -4,7 +4,8 @@ All traffic is between matching TP ranks of different nodes (the token-parallel 
 Per layer there is one scatter (root -> owners, each owner's rows of this TP rank's QKV
 slice) and one gather (owners -> root, attention outputs in batch order), each a single
 ``all_to_all_single`` with split sizes taken from the step plan (host ints: no sync).
-The root's own rows go through the same call as a local copy. A block handoff is one
+The root's own rows go through the same call as a local copy (a pool of one node has no
+exchange: its executor skips both calls). A block handoff is one
 point-to-point transfer of the hidden state from one root to the next.
 """
 
