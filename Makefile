@@ -8,8 +8,9 @@ PY := $(VENV)/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
 # Test files run on this many processes (pytest-xdist), each file's tests in one of them so
-# that a file's shared fixtures are built once. Many tests wait on subprocesses and sockets,
-# so two processes keep a 2-core machine busy where one leaves it idle a third of the time.
+# that a file's shared fixtures are built once, the longest files first (tests/conftest.py).
+# Many tests wait on subprocesses and sockets, so two processes keep a 2-core machine busy
+# where one leaves it idle a third of the time.
 TEST_WORKERS ?= 2
 
 .PHONY: run serve test venv clean
@@ -27,7 +28,7 @@ serve: venv
 	$(PY) examples/serve_tknp.py $(ARGS)
 
 test: venv
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) tests
 
 clean:
 	rm -rf $(VENV)
