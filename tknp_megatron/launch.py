@@ -110,14 +110,14 @@ def forkserver_context(preload: Sequence[str]):
     inherited): ``forkserver``. ``spawn`` instead where the platform has no forkserver, or
     where the server's socket would not fit a Unix socket's address: it lies under
     ``$TMPDIR``, which a launcher or a test runner may set deep, and binding it would fail."""
-    from multiprocessing import util
+    from multiprocessing.connection import arbitrary_address
 
     try:
         ctx = mp.get_context("forkserver")
     except ValueError:
         return mp.get_context("spawn")
-    listener = os.path.join(util.get_temp_dir(), "listener-" + "x" * 8)  # the server's address, as it names it
-    if len(os.fsencode(listener)) >= UNIX_PATH_MAX:
+    listener = arbitrary_address("AF_UNIX")  # an address as the server picks its own
+    if isinstance(listener, str) and len(os.fsencode(listener)) >= UNIX_PATH_MAX:
         return mp.get_context("spawn")
     ctx.set_forkserver_preload(list(preload))
     return ctx
