@@ -159,15 +159,17 @@ def _paged_attn_kernel(
         slot = tok % PAGE
         k_off = blk * stride_kb + slot * stride_kt + kvh * stride_kh
         v_off = blk * stride_vb + slot * stride_vt + kvh * stride_vh
-        k = tl.load(k_ptr + k_off[None, :] + d[:, None], mask=tok_ok[None, :] & d_ok[:, None], other=0.0)
+        # K is read as V is, [BLOCK_N, D] with a token's D values contiguous, and transposed
+        # in registers for the dot
+        k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=tok_ok[:, None] & d_ok[None, :], other=0.0)
         v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=tok_ok[:, None] & d_ok[None, :], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         if IEEE:
-            s = tl.dot(q, k, input_precision="ieee")
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
-            s = tl.dot(q, k)
+            s = tl.dot(q, tl.trans(k))
         s = s * scale_log2
         s = tl.where(tok_ok[None, :] & (tok[None, :] <= row_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
