@@ -138,3 +138,42 @@ def test_plans_pass_stage_to_stage_in_one_message():
         assert torch.equal(b1, big)
         assert (m0, m1, m2, m3) == (1, 3, 4, 5)  # fits: one message; too large: two
         assert cap0 == 8192 and cap1 == cap2 == cap3 == 1 << (size - 1).bit_length()
+
+
+@pytest.mark.parametrize("inflight", [False, True])
+def test_plan_columns_hold_each_requests_values(inflight):
+    """The plan's columns, owner counts and tokens, against the requests written out one by one."""
+    reqs = _requests(7, 3, inflight)  # prompts still to feed, and (inflight) decoding requests
+    plan = build_plan(2, reqs, (), 3)
+    order = sorted(reqs, key=lambda r: r.owner)  # stable: admission order within an owner
+    pending = [(0,) if r.inflight_rows else r.pending_tokens() for r in order]
+    cols = plan.per_request
+    assert cols.request_ids.tolist() == [r.request_id for r in order]
+    assert cols.slots.tolist() == [r.slot for r in order]
+    assert cols.q_lens.tolist() == [len(p) for p in pending]
+    assert cols.start_pos.tolist() == [r.num_cached + r.inflight_rows for r in order]
+    assert cols.temperature.tolist() == [r.params.temperature for r in order]
+    assert cols.top_k.tolist() == [r.params.top_k for r in order]
+    assert cols.top_p.tolist() == [r.params.top_p for r in order]
+    assert cols.seeds.tolist() == [r.params.seed for r in order]
+    assert cols.sample_steps.tolist() == [len(r.generated) + (r.inflight_rows > 0) for r in order]
+    assert plan.tokens.tolist() == [t for p in pending for t in p]
+    assert plan.requests_per_owner == tuple(sum(r.owner == n for r in reqs) for n in range(3))
+    assert plan.rows_per_owner == tuple(sum(len(p) for r, p in zip(order, pending) if r.owner == n)
+                                        for n in range(3))
+    assert all(c.dtype == f.metadata["dtype"] for c, f in
+               zip((getattr(cols, f.name) for f in dataclasses.fields(cols)), dataclasses.fields(cols)))
+
+
+def test_padding_requests_take_each_columns_pad_value():
+    """``RequestColumns.take``: -1 entries hold the column's pad value (or the one given)."""
+    plan = build_plan(0, _requests(3, 1, False), (), 1)
+    cols = plan.per_request.take(torch.tensor([2, -1, 0, -1]), slots=9)
+    assert cols.request_ids.tolist() == [2, -1, 0, -1]
+    assert cols.slots.tolist() == [plan.per_request.slots[2].item(), 9, plan.per_request.slots[0].item(), 9]
+    assert cols.q_lens.tolist()[1::2] == [1, 1] and cols.start_pos.tolist()[1::2] == [0, 0]
+    assert cols.temperature.tolist()[1::2] == [0.0, 0.0] and cols.top_p.tolist()[1::2] == [1.0, 1.0]
+    empty = RequestColumns.empty().take(torch.tensor([-1, -1]), slots=4)
+    assert empty.request_ids.tolist() == [-1, -1] and empty.slots.tolist() == [4, 4]
+    with pytest.raises(IndexError, match="of columns holding none"):
+        RequestColumns.empty().take(torch.tensor([-1, 0]))

@@ -45,3 +45,25 @@ def test_graph_step_refills_its_fixed_buffers_in_place():
     host = later.host.tensors
     assert host.positions.tolist() == [11, 12] and host.slots.tolist() == [0, 2]
     assert host.prev_index.tolist() == [1, -1, 0, 3] and host.last_rows.tolist() == [0, 1, 2, 3]
+
+
+def test_packed_host_tensors_are_views_of_one_buffer_per_dtype():
+    """``pack``: each dtype's arrays back to back in one buffer, in order of first appearance
+    (the grouping of ``StaticInputs``), and the views give the arrays back."""
+    import numpy as np
+
+    from tknp_megatron.host_to_device import StaticInputs, pack
+
+    arrays = [np.arange(5), np.zeros((0,), np.int64), np.array([0.5, 2.0], np.float32), np.arange(3) + 7,
+              np.array([1.5], np.float32)]
+    packed = pack(arrays)
+    assert [f.dtype for f in packed.flats] == [torch.int64, torch.float32]
+    assert packed.flats[0].tolist() == [0, 1, 2, 3, 4, 7, 8, 9] and packed.flats[1].tolist() == [0.5, 2.0, 1.5]
+    for view, a in zip(packed.views(), arrays):
+        assert view.dtype == torch.from_numpy(a).dtype and view.tolist() == a.tolist()
+    static = StaticInputs([torch.zeros(len(a), dtype=torch.from_numpy(a).dtype) for a in arrays], torch.device("cpu"))
+    static.copy_(packed)
+    assert [v.tolist() for v in static.views] == [a.tolist() for a in arrays]
+    with pytest.raises(ValueError, match="packed inputs of 2 torch.float32 values"):
+        StaticInputs([torch.zeros(3), torch.zeros(1, dtype=torch.int64)], torch.device("cpu")).copy_(
+            pack([np.zeros(2, np.float32), np.arange(1)]))

@@ -83,7 +83,8 @@ class RequestColumns:
     def of(cls, **values: Sequence) -> "RequestColumns":
         """Columns from one sequence (or iterable) per field, each in its declared dtype."""
         return cls(**{
-            f.name: torch.tensor(list(values[f.name]), dtype=f.metadata["dtype"]) for f in _FIELDS
+            f.name: torch.from_numpy(np.array(list(values[f.name]), dtype=_NP[f.metadata["dtype"]]))
+            for f in _FIELDS
         })
 
     @classmethod
@@ -98,10 +99,19 @@ class RequestColumns:
     def take(self, index: torch.Tensor, **pads) -> "RequestColumns":
         """Requests ``index`` ``[R']``; -1 is a padding request, whose value in each column
         is the column's pad value or ``pads[name]``."""
-        return RequestColumns(**{
-            f.name: take_rows(getattr(self, f.name), index, pads.get(f.name, f.metadata["pad"]))
-            for f in _FIELDS
-        })
+        idx = index.numpy()
+        dummy = idx < 0
+        size = len(self.request_ids)
+        if not size and not dummy.all():
+            raise IndexError(f"requests {idx[~dummy].tolist()} of columns holding none")
+        safe = np.where(dummy, 0, idx)  # numpy per column: this runs on every graph step
+        out = {}
+        for f in _FIELDS:
+            v = getattr(self, f.name).numpy()
+            col = v[safe] if size else np.empty(len(idx), dtype=v.dtype)
+            col[dummy] = pads.get(f.name, f.metadata["pad"])
+            out[f.name] = torch.from_numpy(col)
+        return RequestColumns(**out)
 
     def sampling(self) -> SamplingTensors:
         """The ``[R]`` sampling tensors of :func:`~tknp_megatron.sampling.sample` (host)."""
@@ -127,6 +137,7 @@ def _columns_from_bytes(raw: Tuple[bytes, ...]) -> "RequestColumns":
 
 
 _FIELDS = fields(RequestColumns)
+_NP = {torch.int64: np.int64, torch.float32: np.float32}  # the columns' dtypes in numpy
 _SAMPLING_SOURCES = tuple(  # the column behind each SamplingTensors field, in its order
     {f.metadata["sampling"]: f.name for f in _FIELDS}[name] for name in SamplingTensors._fields
 )
@@ -279,45 +290,46 @@ def _concat(parts: Tuple[StepPlan, ...], admissions: Sequence[Admission]) -> Ste
 
 def _plan(step, batch, admissions, num_nodes: int, record_logits: bool, feed_prev: bool,
           top_n: int = -1) -> StepPlan:
-    batch = sorted(batch, key=lambda r: r.owner)  # stable: keeps admission order per owner
+    batch = sorted(batch, key=_owner)  # stable: keeps admission order per owner
     pending = [_PREV if r.inflight_rows else r.pending_tokens() for r in batch]
-    per_owner = [0] * num_nodes
-    rows_owner = [0] * num_nodes
-    for r, toks in zip(batch, pending):
-        per_owner[r.owner] += 1
-        rows_owner[r.owner] += len(toks)
+    # one pass over the requests into flat lists (numpy converts a flat list several times
+    # faster than a list of tuples), then [8, R] int64 and [2, R] float32 rows
+    ints = np.array([x for r, toks in zip(batch, pending) for x in (
+        r.request_id, r.slot, len(toks), r.num_cached + r.inflight_rows, r.params.top_k, r.params.seed,
+        len(r.generated) + (r.inflight_rows > 0), r.owner)], dtype=np.int64).reshape(-1, 8).T.copy()
+    floats = np.array([x for r in batch for x in (r.params.temperature, r.params.top_p)],
+                      dtype=np.float32).reshape(-1, 2).T.copy()
+    ids, slots, q_lens, start, top_k, seeds, sample_steps, owners = ints
+    temperature, top_p = floats
     prev = None
     if feed_prev:
         prev = _longs(
             i for r, toks in zip(batch, pending)
             for i in ((r.inflight_index,) if r.inflight_rows else (-1,) * len(toks))
         )
-    per_request = RequestColumns.of(
-        request_ids=(r.request_id for r in batch),
-        slots=(r.slot for r in batch),
-        q_lens=(len(t) for t in pending),
-        start_pos=(r.num_cached + r.inflight_rows for r in batch),
-        temperature=(r.params.temperature for r in batch),
-        top_k=(r.params.top_k for r in batch),
-        top_p=(r.params.top_p for r in batch),
-        seeds=(r.params.seed for r in batch),
-        sample_steps=(len(r.generated) + (r.inflight_rows > 0) for r in batch),
-    )
+    per_request = RequestColumns(**{name: torch.from_numpy(col) for name, col in (
+        ("request_ids", ids), ("slots", slots), ("q_lens", q_lens), ("start_pos", start),
+        ("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seeds", seeds),
+        ("sample_steps", sample_steps))})
     return StepPlan(
         step=step,
         admissions=tuple(admissions),
         per_request=per_request,
         tokens=_longs(t for toks in pending for t in toks),
-        requests_per_owner=tuple(per_owner),
-        rows_per_owner=tuple(rows_owner),
+        requests_per_owner=tuple(np.bincount(owners, minlength=num_nodes).tolist()),
+        rows_per_owner=tuple(np.bincount(owners, weights=q_lens, minlength=num_nodes).astype(np.int64).tolist()),
         record_logits=record_logits,
         prev_token_index=prev,
         log_probs_top_n=top_n,
     )
 
 
+def _owner(request: Request) -> int:
+    return request.owner
+
+
 def _longs(xs) -> torch.Tensor:
-    return torch.tensor(list(xs), dtype=torch.int64)
+    return torch.from_numpy(np.array(list(xs), dtype=np.int64))
 
 
 _PREV = (0,)  # placeholder host token of a row fed from the previous step's output

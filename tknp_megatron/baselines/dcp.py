@@ -206,7 +206,7 @@ class DCPExecutor:
         shard's cache (blocks of ``B / D`` tokens) the longest shard-local length. The
         previous step's tokens go to the fixed buffer the captured body reads."""
         padded, index = pad_plan(plan, self.kv.dummy_slot)
-        host = host_inputs(padded, 0)
+        host = host_inputs(padded, 0, pin=self.device.type == "cuda")
         check_dcp_decode(host, self.dcp, max_seq_len)
         if last_tokens is not None:
             self.graph_last[: last_tokens.shape[0]].copy_(last_tokens)

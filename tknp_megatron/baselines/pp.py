@@ -217,7 +217,7 @@ class PPExecutor:
         index of each real request in the padded batch)``; ``hidden`` is the previous
         stage's real rows (None: zeros, as the captures at start-up run)."""
         padded, index = pad_plan(plan, self.kv.dummy_slot)
-        inp = GraphStep(host_inputs(padded, 0), max_seq_len)
+        inp = GraphStep(host_inputs(padded, 0, pin=self.device.type == "cuda"), max_seq_len)
         buf = None
         if self.stage > 0:
             buf = torch.zeros(padded.num_rows, 1, self.hidden_size, dtype=self.dtype, device=self.device)

@@ -95,7 +95,7 @@ class DualRootExecutor(TKNPExecutor):
                 steps.append(None)
                 continue
             padded, idx = pad_plan(part, self.kv.dummy_slot)
-            steps.append(GraphStep(host_inputs(padded, self.node), max_seq_len))
+            steps.append(GraphStep(host_inputs(padded, self.node, pin=self.device.type == "cuda"), max_seq_len))
             index.append(idx + at)
             at += padded.num_requests
         if last_tokens is not None:

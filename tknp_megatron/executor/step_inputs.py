@@ -18,7 +18,7 @@ import torch
 
 from tknp_megatron.attention import AttentionMetadata
 from tknp_megatron.executor.rope import Rope
-from tknp_megatron.host_to_device import StaticInputs, to_device
+from tknp_megatron.host_to_device import Packed, StaticInputs, pack, to_device
 from tknp_megatron.kv_cache import PagedKVCache
 from tknp_megatron.plan import StepPlan, take_rows
 from tknp_megatron.sampling import SamplingTensors
@@ -100,6 +100,8 @@ def row_layout(q_lens: torch.Tensor, start_pos: torch.Tensor, rows: int) -> RowL
 
 def _row_layout(q_lens: np.ndarray, start_pos: np.ndarray, rows: int):
     """:func:`row_layout` over numpy arrays."""
+    if rows == q_lens.size and (q_lens == 1).all():  # a decode step: one row per request
+        return np.arange(rows + 1, dtype=np.int64), np.arange(rows), start_pos
     cu = np.zeros(q_lens.size + 1, dtype=np.int64)
     np.cumsum(q_lens, out=cu[1:])
     steps = np.arange(rows)
@@ -154,23 +156,31 @@ class HostInputs:
 
     Attributes:
         shape: the step's layout and sampling mode.
-        tensors: the host tensors (:class:`StepHost`).
+        packed: the host tensors (:attr:`tensors`) as one buffer per dtype (what crosses
+            to the device).
         max_query_len: most rows of one of this node's requests (1: pure decode).
         max_seq_len: longest context of this node's requests (a grid bound).
         feeds_previous: some row takes the previous step's token (``prev_index >= 0``).
     """
 
     shape: StepShape
-    tensors: StepHost
+    packed: Packed
     max_query_len: int
     max_seq_len: int
     feeds_previous: bool
 
+    @property
+    def tensors(self) -> StepHost:
+        """The :class:`StepHost` tensors (views into :attr:`packed`; a graph's replay needs
+        only the buffers)."""
+        return StepHost(*self.packed.views())
 
-def host_inputs(plan: StepPlan, node: int) -> HostInputs:
+
+def host_inputs(plan: StepPlan, node: int, pin: bool = False) -> HostInputs:
     """Node ``node``'s :class:`HostInputs` of ``plan``: host arithmetic only (numpy over
     the plan's columns: a step's dozen small vectors cost microseconds, not a torch
-    dispatch each)."""
+    dispatch each), written straight into one buffer per dtype (pinned with ``pin``, for
+    a copy to a GPU)."""
     lo, hi = plan.request_range(node)
     cols = plan.per_request
     q_all = cols.q_lens.numpy()
@@ -181,13 +191,13 @@ def host_inputs(plan: StepPlan, node: int) -> HostInputs:
     prev = plan.prev_token_index
     prev = np.full(plan.num_rows, -1, dtype=np.int64) if prev is None else prev.numpy()
     temperature = cols.temperature.numpy()
-    host = StepHost(*(torch.from_numpy(np.ascontiguousarray(a)) for a in (
+    packed = pack((
         cu, seq_lens, slots, slots[row_req], positions, np.cumsum(q_all) - 1, plan.tokens.numpy(), prev,
         temperature, cols.top_k.numpy(), cols.top_p.numpy(), cols.seeds.numpy(),
-        cols.request_ids.numpy(), cols.sample_steps.numpy())))
+        cols.request_ids.numpy(), cols.sample_steps.numpy()), pin)
     return HostInputs(
         shape=StepShape(plan.rows_per_owner, plan.requests_per_owner, bool((temperature == 0).all())),
-        tensors=host,
+        packed=packed,
         max_query_len=int(q_lens.max()) if hi > lo else 0,
         max_seq_len=int(seq_lens.max()) if hi > lo else 0,
         feeds_previous=plan.prev_token_index is not None,
@@ -278,7 +288,7 @@ class GraphStep:
         """Refill the staged buffers from ``other``'s host tensors (same layout)."""
         if other.key != self.key:
             raise ValueError(f"graph inputs of another layout: {other.key}, not {self.key}")
-        self.static.copy_(other.host.tensors)
+        self.static.copy_(other.host.packed)
 
     @property
     def staged(self) -> StepHost:

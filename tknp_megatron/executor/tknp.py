@@ -159,7 +159,7 @@ class TKNPExecutor:
         inputs of the padded plan, [R] index of each real request in the padded batch)``.
         The previous step's tokens go to the fixed buffer the captured body reads."""
         padded, index = pad_plan(plan, self.kv.dummy_slot)
-        step = GraphStep(host_inputs(padded, self.node), max_seq_len)
+        step = GraphStep(host_inputs(padded, self.node, pin=self.device.type == "cuda"), max_seq_len)
         if last_tokens is not None:
             self.graph_last[: last_tokens.shape[0]].copy_(last_tokens)
         return step.key, step, index
