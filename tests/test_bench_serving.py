@@ -70,3 +70,43 @@ def test_traces_over_the_models_length_are_refused_in_one_line(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--model", "no-such-model", "--contexts", "64", "--batches", "2"])
     assert "unknown model preset 'no-such-model'" in capsys.readouterr().err
+
+
+def test_a_memory_regime_given_as_dps_kv_over_weights(capsys):
+    """``--kv-weight-ratio R`` caps each GPU at one copy (over --tp GPUs) plus R times it, says
+    so before any process starts, and reports the ratio DP actually kept; bad uses are one line."""
+    import pytest
+
+    from tknp_megatron.analysis.costmodel import PAPER_KV_RATIO, gpu_gib_for_kv_ratio
+    from tknp_megatron.config import get_preset
+    from tknp_megatron.placement import model_bytes
+    from tknp_megatron.tools.bench_serving import parse_args, realized_kv_ratio
+
+    base = ["--model", "llama3.1-70b", "--layers", "12", "--contexts", "32768", "--batches", "16"]
+    preset = get_preset("llama3.1-70b").replace(num_layers=12)
+    copy = model_bytes(preset).total
+    args = parse_args(base + ["--device", "cuda", "--kv-weight-ratio", str(PAPER_KV_RATIO)])
+    assert args.gpu_memory_gib == pytest.approx(copy * (1 + PAPER_KV_RATIO) / 2**30)
+    assert 28 < args.gpu_memory_gib < 29  # the 12-layer slice in the paper's regime
+    assert f"each GPU capped at {args.gpu_memory_gib:.2f} GiB" in capsys.readouterr().out
+    two = parse_args(base + ["--device", "cuda", "--tp", "2", "--kv-weight-ratio", "0.5"])
+    assert two.gpu_memory_gib == pytest.approx(gpu_gib_for_kv_ratio(model_bytes(preset), 0.5, 2))
+    assert two.gpu_memory_gib == pytest.approx(copy * 1.5 / 2 / 2**30)
+
+    per_token = 2 * 2 * 12 * preset.num_query_groups * preset.kv_channels
+    tokens = int(0.2 * copy / per_token)
+    rows = [dict(mode="TKNP", kv_capacity_tokens=[[9, 9]]),
+            dict(mode="DP", kv_capacity_tokens=[[tokens], [tokens + 100]])]
+    line = realized_kv_ratio(args, rows)
+    assert f"DP kept 0.200 of its weights' bytes for KV ({tokens} tokens per replica)" in line
+
+    for extra, says in ((["--device", "cuda", "--kv-weight-ratio", "0"], "--kv-weight-ratio 0.0: must be > 0"),
+                        (["--device", "cuda", "--kv-weight-ratio", "0.2", "--gpu-memory-gib", "30"],
+                         "not with --gpu-memory-gib"),
+                        (["--kv-weight-ratio", "0.2"], "--device cpu: give --kv-tokens-per-node")):
+        with pytest.raises(SystemExit) as exit_:
+            parse_args(base + extra)
+        assert exit_.value.code == 2
+        assert says in capsys.readouterr().err.strip().splitlines()[-1]
+    with pytest.raises(ValueError, match="must be > 0"):
+        gpu_gib_for_kv_ratio(model_bytes(preset), -1.0)

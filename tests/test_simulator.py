@@ -116,3 +116,16 @@ def test_dual_roots_run_two_microbatches_and_lose_capacity():
                     schedule="tknp-dual-paper")
     assert single.metrics.completed == dual.metrics.completed == 16
     assert (single.metrics.waves, dual.metrics.waves) == (2, 4)
+
+
+def test_fp8_weights_shorten_weight_bound_steps(tmp_path):
+    """``--fp8-weights``: one byte per linear weight, so a small batch's predicted step (weight
+    reads dominate) is shorter than with BF16 weights, and throughput higher."""
+    argv = ["--model", "llama3.1-70b", "--layers", "12", "--world", "2", "--modes", "dp", "--contexts", "4096",
+            "--batches", "4", "--output-len", "16", "--kv-tokens-per-node", "65536"]
+    out = {}
+    for name, extra in (("bf16", []), ("fp8", ["--fp8-weights"])):
+        assert simulate_pool.main(argv + extra + ["--json", str(tmp_path / f"{name}.json")]) == 0
+        (out[name],) = json.loads((tmp_path / f"{name}.json").read_text())
+    assert out["fp8"]["itl_s_p50"] < 0.8 * out["bf16"]["itl_s_p50"]
+    assert out["fp8"]["completion_throughput_tok_s"] > out["bf16"]["completion_throughput_tok_s"]

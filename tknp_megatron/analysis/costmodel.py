@@ -30,6 +30,7 @@ __all__ = [
     "NodeBudget",
     "budget_from_measurement",
     "budget_from_preset",
+    "gpu_gib_for_kv_ratio",
     "kv_capacity",
     "layer_traffic",
     "placement_shares",
@@ -93,6 +94,20 @@ def budget_from_preset(
     return NodeBudget(
         per_gpu * gpus_per_node, weights.total / GIB, gpus_per_node, preset.num_query_groups
     )
+
+
+PAPER_KV_RATIO = 106 / 454  # the paper's DP node: 106 GiB of KV beside Llama-3.1-405B's 454 GiB FP8 copy
+
+
+def gpu_gib_for_kv_ratio(weights: ModelBytes, ratio: float, gpus_per_copy: int = 1) -> float:
+    """GiB per GPU at which a node holding one full weight copy over ``gpus_per_copy`` GPUs
+    (a DP replica) keeps ``ratio`` times the copy's bytes for KV: a memory regime stated as
+    DP's KV / weights, e.g. :data:`PAPER_KV_RATIO` (the paper's 405B FP8 on 8 x H100)."""
+    if not ratio > 0:
+        raise ValueError(f"the KV / weights ratio must be > 0, got {ratio}")
+    if gpus_per_copy < 1:
+        raise ValueError(f"gpus_per_copy must be >= 1, got {gpus_per_copy}")
+    return weights.total * (1.0 + ratio) / gpus_per_copy / GIB
 
 
 def budget_from_measurement(

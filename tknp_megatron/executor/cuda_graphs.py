@@ -114,7 +114,7 @@ class DecodeGraphs:
 
     def _capture(self, inputs) -> _Captured:
         """Warm up on a side stream (compiles kernels, starts communicators), then capture."""
-        stream = torch.cuda.Stream()
+        stream = _warmup_stream(torch.cuda.current_device())
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(self.WARMUP):
@@ -125,6 +125,20 @@ class DecodeGraphs:
             tokens = self.ex.graph_forward(inputs)
         self.captures += 1
         return _Captured(graph, inputs, tokens)
+
+
+_WARMUP_STREAMS: Dict[int, torch.cuda.Stream] = {}
+
+
+def _warmup_stream(device: int) -> torch.cuda.Stream:
+    """The one side stream every capture on ``device`` warms up on. torch keeps a cuBLAS
+    workspace for each stream a GEMM ran on until the process ends (tens of MiB each on a
+    Hopper GPU), so a new stream per capture would keep one per graph, dozens per engine,
+    and a later engine of the same process (a benchmark running mode after mode) would
+    count them as allocated when it sizes its KV cache under a memory cap."""
+    if device not in _WARMUP_STREAMS:
+        _WARMUP_STREAMS[device] = torch.cuda.Stream(device)
+    return _WARMUP_STREAMS[device]
 
 
 def _sampling(plan: StepPlan) -> StepPlan:

@@ -44,6 +44,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_trace_flags(p)
     p.add_argument("--gpu-memory-gib", type=float, default=None, help="per-GPU memory cap")
+    p.add_argument("--kv-weight-ratio", type=float, default=None, metavar="R",
+                   help="instead of --gpu-memory-gib: cap each GPU at one weight copy (of --model and "
+                        "--layers, as stored in the run's format, over --tp GPUs) plus R times it, so "
+                        "that DP keeps R times its weights' bytes for KV (the paper's memory regime: "
+                        "0.233, Llama-3.1-405B FP8 on 8 x H100); every mode gets the same cap")
     p.add_argument("--kv-tokens-per-node", type=int, default=None,
                    help="KV budget per node (CPU default: half the largest trace's reservations; "
                         "GPU default: free memory)")
@@ -74,8 +79,15 @@ def parse_args(argv=None):
         problems += trace_problems(args)
     if args.force_dual and Mode.TKNP_DUAL.value not in args.modes:
         problems.append("--force-dual: only with --modes tknp-dual")
+    if args.kv_weight_ratio is not None:
+        problems += kv_ratio_problems(args)
     if problems:
         p.error("; ".join(problems))
+    if args.kv_weight_ratio is not None:
+        args.gpu_memory_gib = kv_ratio_cap_gib(args)
+        print(f"bench_serving: --kv-weight-ratio {args.kv_weight_ratio:g}: each GPU capped at "
+              f"{args.gpu_memory_gib:.2f} GiB (one weight copy per {args.tp} GPU(s) plus "
+              f"{args.kv_weight_ratio:g} of it)", flush=True)
     if args.device == "cpu" and args.kv_tokens_per_node is None and not args.report_only:
         args.kv_tokens_per_node = default_cpu_kv_budget(args)
     args.dual = {}  # trace key -> DualPolicy, decided in main before the pool starts
@@ -126,6 +138,54 @@ def planned_runs(args, key) -> list:
             label = mode = Mode.TKNP.value
         runs.append((label, mode, preset))
     return runs
+
+
+def kv_ratio_problems(args) -> list:
+    """What stops ``--kv-weight-ratio`` (one line each, before any process starts)."""
+    out = []
+    if not args.kv_weight_ratio > 0:
+        out.append(f"--kv-weight-ratio {args.kv_weight_ratio}: must be > 0")
+    if args.gpu_memory_gib is not None:
+        out.append("--kv-weight-ratio: sets the per-GPU cap itself; not with --gpu-memory-gib")
+    if args.device != "cuda":
+        out.append(f"--kv-weight-ratio: caps GPU memory (--device {args.device}: give --kv-tokens-per-node)")
+    return out
+
+
+def _one_copy(args):
+    """``(preset, element bytes, ModelBytes)``: the run's model (every mode's but DCP's
+    variant) and one copy of it as stored (FP8 GEMM weights with ``--fp8-recipe``, else
+    the run's dtype)."""
+    from tknp_megatron.config import get_preset
+    from tknp_megatron.placement import model_bytes
+
+    preset = get_preset(args.model)
+    if args.layers:
+        preset = preset.replace(num_layers=args.layers)
+    elem = dtype_from_name(args.dtype).itemsize
+    return preset, elem, model_bytes(preset, 1 if dense_format(args).fp8_recipe else elem, elem)
+
+
+def kv_ratio_cap_gib(args) -> float:
+    """The per-GPU cap of ``--kv-weight-ratio``: one copy of the run's model as stored, over
+    ``--tp`` GPUs, plus the ratio times it (the cap is the GPU's: every mode gets it)."""
+    from tknp_megatron.analysis.costmodel import gpu_gib_for_kv_ratio
+
+    return gpu_gib_for_kv_ratio(_one_copy(args)[2], args.kv_weight_ratio, args.tp)
+
+
+def realized_kv_ratio(args, rows) -> str:
+    """One line: DP's KV / weights as run (its smallest replica's KV tokens against one
+    copy's bytes), beside the ratio asked for: the cap leaves the weights as allocated,
+    which can exceed the count of parameters."""
+    preset, elem, copy = _one_copy(args)
+    weights = copy.total
+    per_token = 2 * elem * preset.num_layers * preset.num_query_groups * preset.kv_channels
+    dp = [min(min(c) for c in r["kv_capacity_tokens"]) for r in rows if r["mode"] == "DP"]
+    if not dp:
+        return f"--kv-weight-ratio {args.kv_weight_ratio:g}: no DP row to check the regime on"
+    return (f"--kv-weight-ratio {args.kv_weight_ratio:g}: DP kept {min(dp) * per_token / weights:.3f} "
+            f"of its weights' bytes for KV ({min(dp)} tokens per replica)")
 
 
 def dense_format(args):
@@ -305,6 +365,8 @@ def main(argv=None) -> int:
     rank, rows = run_ranks(worker, args, args.device, args.world)
     if rank == 0:
         report(rows, Path(args.out))
+        if args.kv_weight_ratio is not None:
+            print(realized_kv_ratio(args, rows), flush=True)
     if "RANK" in os.environ:
         dist.barrier()
         if args.device == "cuda":

@@ -45,6 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--calibration", choices=("h200", "none"), default="h200",
                    help="h200: the measured implementation factors; none: the bare roofline")
     p.add_argument("--replay", default=None, help="a bench_serving --out folder to predict row by row")
+    p.add_argument("--fp8-weights", action="store_true",
+                   help="linear weights stored in FP8 (one byte each; bench_serving's --fp8-recipe)")
     p.add_argument("--paper", action="store_true", help="the paper's headline ratios, predicted")
     p.add_argument("--paper-batches", type=int, nargs="*", default=[],
                    help="with --paper: these batches for every figure instead of the paper's grid")
@@ -94,7 +96,7 @@ def run(args) -> list:
             capacity = args.kv_tokens_per_node if row is None else min(row["kv_capacity_tokens"][0])
             sim = simulate(mode, preset, args.world, args.tp, trace, capacity,
                            block_size=args.block_size, max_requests_per_node=args.max_requests_per_node,
-                           calibration=calibration)
+                           calibration=calibration, weight_elem=1.0 if args.fp8_weights else 2.0)
             m = sim.metrics
             out = dict(mode=label.upper(), context=ctx, offered_batch=batch, arrival_rate=rate,
                        kv_tokens_per_node=capacity, waves=m.waves,
