@@ -48,7 +48,7 @@ def parse_args(argv=None):
                    help="instead of --gpu-memory-gib: cap each GPU at one weight copy (of --model and "
                         "--layers, as stored in the run's format, over --tp GPUs) plus R times it, so "
                         "that DP keeps R times its weights' bytes for KV (the paper's memory regime: "
-                        "0.233, Llama-3.1-405B FP8 on 8 x H100); every mode gets the same cap")
+                        "0.2335, Llama-3.1-405B FP8 on 8 x H100); every mode gets the same cap")
     p.add_argument("--kv-tokens-per-node", type=int, default=None,
                    help="KV budget per node (CPU default: half the largest trace's reservations; "
                         "GPU default: free memory)")
