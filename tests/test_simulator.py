@@ -68,9 +68,11 @@ def test_readme_commands_and_the_replay_of_an_h200_run(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--world", "3", "--tp", "2", "--kv-tokens-per-node", "4096"], "--tp 2: must divide --world 3"),
-    (["--world", "2"], "--kv-tokens-per-node: required (or --replay a measured run)"),
+    (["--world", "2"], "--kv-tokens-per-node: required (or --gpu-memory-gib, --kv-weight-ratio, or --replay"),
     (["--kv-tokens-per-node", "8"], "--kv-tokens-per-node 8: must hold at least one block of 16"),
     (["--replay", "/nonexistent"], "--replay /nonexistent: no results.json there"),
+    (["--kv-tokens-per-node", "4096", "--gpu-memory-gib", "30"], "--kv-tokens-per-node and --gpu-memory-gib: give one"),
+    (["--kv-weight-ratio", "0"], "--kv-weight-ratio 0.0: must be > 0"),
 ])
 def test_bad_flags_are_one_line(argv, message, capsys):
     assert simulate_pool.main(argv) == 2
@@ -129,3 +131,28 @@ def test_fp8_weights_shorten_weight_bound_steps(tmp_path):
         (out[name],) = json.loads((tmp_path / f"{name}.json").read_text())
     assert out["fp8"]["itl_s_p50"] < 0.8 * out["bf16"]["itl_s_p50"]
     assert out["fp8"]["completion_throughput_tok_s"] > out["bf16"]["completion_throughput_tok_s"]
+
+
+def test_each_modes_kv_from_the_memory_regime(tmp_path, capsys):
+    """``--kv-weight-ratio`` / ``--gpu-memory-gib``: each mode's KV tokens from the capacity
+    model (DP keeps the ratio of its copy; TKNP each node's share of one copy less), and the
+    predicted ratios per trace, TKNP-MQA against DCP on DCP's variant."""
+    from tknp_megatron.analysis.costmodel import gpu_gib_for_kv_ratio
+    from tknp_megatron.placement import model_bytes
+
+    argv = ["--model", "llama3.1-70b", "--layers", "12", "--world", "2", "--modes", "tknp", "dp", "dcp",
+            "--dcp-kv-heads", "1", "--contexts", "8192", "--batches", "8", "--output-len", "8"]
+    assert simulate_pool.main(argv + ["--kv-weight-ratio", "0.2335", "--json", str(tmp_path / "r.json")]) == 0
+    rows = {r["mode"]: r for r in json.loads((tmp_path / "r.json").read_text())}
+    preset = get_preset("llama3.1-70b").replace(num_layers=12)
+    copy = model_bytes(preset).total
+    per_token = 2 * 2 * 12 * 8 * 128
+    assert rows["DP"]["kv_tokens_per_node"] == int(0.2335 * copy // per_token)
+    gib = gpu_gib_for_kv_ratio(model_bytes(preset), 0.2335)
+    # a TKNP node holds about half a copy: 1.2335 - 0.5 of a copy for KV, over 3x DP's 0.2335
+    assert 3 * rows["DP"]["kv_tokens_per_node"] < rows["TKNP"]["kv_tokens_per_node"] < 3.3 * rows["DP"]["kv_tokens_per_node"]
+    out = capsys.readouterr().out
+    assert "predicted at ctx 8192, batch 8, rate None: TKNP/DP " in out and "TKNP-MQA/DCP " in out
+    assert simulate_pool.main(argv + ["--gpu-memory-gib", str(gib), "--json", str(tmp_path / "g.json")]) == 0
+    same = {r["mode"]: r["kv_tokens_per_node"] for r in json.loads((tmp_path / "g.json").read_text())}
+    assert same == {m: r["kv_tokens_per_node"] for m, r in rows.items()}

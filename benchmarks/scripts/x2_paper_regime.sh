@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The paper's memory regime and the full FP8 Llama-3.1-70B on 2 x H200 (nvidia-h200-x2): every
 # mode on the same traces, one bench_serving invocation per part, then the pool simulator's
-# prediction for every measured row (simulate_pool --replay of the part's folder, same traces).
+# prediction for every measured row (simulate_pool --replay of the part's folder, same traces):
+# the bare roofline's and with the measured implementation factors. Predicted before the run
+# by benchmarks/scripts/predict_x2_regimes.sh.
 #   slice32k, slice64k: 12 of Llama-3.1-70B's layers, each GPU capped by --kv-weight-ratio 0.2335,
 #       so DP keeps 0.2335 of its weights' bytes for KV, as the paper's 405B FP8 on 8 x H100 does
 #       (106 GiB beside a 454 GiB copy); bench_serving prints the cap and the ratio DP kept
@@ -30,6 +32,8 @@ for part in ${PARTS:-slice32k slice64k full32k full64k}; do
   # a run cut short by the limit still has its finished rows: rebuild the table, then predict them
   [ -f "$OUT/$part/results.json" ] || python -m tknp_megatron.tools.bench_serving $SHAPE $model $trace \
     --report-only --out "$OUT/$part" 2>&1 | tail -12
-  python -W ignore -m tknp_megatron.tools.simulate_pool $SHAPE $model $sim $trace --world 2 \
-    --replay "$OUT/$part" --json "$OUT/$part/predicted.json" 2>&1 | tail -16
+  for cal in none h200; do  # the bare roofline, then with the measured implementation factors
+    python -W ignore -m tknp_megatron.tools.simulate_pool $SHAPE $model $sim $trace --world 2 --calibration $cal \
+      --replay "$OUT/$part" --json "$OUT/$part/predicted_$cal.json" 2>&1 | tail -16
+  done
 done

@@ -41,6 +41,12 @@ def parse_args(argv=None):
     p.add_argument("--world", type=int, default=2, help="GPUs in the pool (TKNP: nodes x --tp)")
     p.add_argument("--kv-tokens-per-node", type=int, default=None,
                    help="KV tokens each owning node holds (DP: each replica; TP, PP, DCP: the pool)")
+    p.add_argument("--gpu-memory-gib", type=float, default=None,
+                   help="instead of --kv-tokens-per-node: GiB per GPU for weights and KV, each mode's "
+                        "KV from the capacity model (its share of one copy per GPU, the rest KV)")
+    p.add_argument("--kv-weight-ratio", type=float, default=None, metavar="R",
+                   help="instead: the GPU memory at which DP keeps R times its weights' bytes for KV "
+                        "(as bench_serving's flag; the paper's regime: 0.2335)")
     p.add_argument("--max-requests-per-node", type=int, default=256)
     p.add_argument("--calibration", choices=("h200", "none"), default="h200",
                    help="h200: the measured implementation factors; none: the bare roofline")
@@ -67,8 +73,17 @@ def check(args) -> None:
         problems.append("--paper-batches: only with --paper")
     if any(b < 1 for b in args.paper_batches):
         problems.append(f"--paper-batches {args.paper_batches}: each must be at least 1")
-    if args.replay is None and args.kv_tokens_per_node is None and not args.paper:
-        problems.append("--kv-tokens-per-node: required (or --replay a measured run)")
+    memory = [f for f, v in (("--kv-tokens-per-node", args.kv_tokens_per_node),
+                             ("--gpu-memory-gib", args.gpu_memory_gib),
+                             ("--kv-weight-ratio", args.kv_weight_ratio)) if v is not None]
+    if len(memory) > 1:
+        problems.append(f"{' and '.join(memory)}: give one of them")
+    if args.replay is None and not memory and not args.paper:
+        problems.append("--kv-tokens-per-node: required (or --gpu-memory-gib, --kv-weight-ratio, "
+                        "or --replay a measured run)")
+    for flag, value in (("--gpu-memory-gib", args.gpu_memory_gib), ("--kv-weight-ratio", args.kv_weight_ratio)):
+        if value is not None and not value > 0:
+            problems.append(f"{flag} {value}: must be > 0")
     if args.kv_tokens_per_node is not None and args.kv_tokens_per_node < args.block_size:
         problems.append(f"--kv-tokens-per-node {args.kv_tokens_per_node}: must hold at least one "
                         f"block of {args.block_size}")
@@ -93,7 +108,7 @@ def run(args) -> list:
             row = measured.get((label, ctx, batch, rate)) if measured is not None else None
             if measured is not None and row is None:
                 continue  # the measured run has no such row (cut short)
-            capacity = args.kv_tokens_per_node if row is None else min(row["kv_capacity_tokens"][0])
+            capacity = min(row["kv_capacity_tokens"][0]) if row is not None else _capacity(args, mode, preset)
             sim = simulate(mode, preset, args.world, args.tp, trace, capacity,
                            block_size=args.block_size, max_requests_per_node=args.max_requests_per_node,
                            calibration=calibration, weight_elem=1.0 if args.fp8_weights else 2.0)
@@ -110,6 +125,46 @@ def run(args) -> list:
                            / row["completion_throughput_tok_s"])
             rows.append(out)
     return rows
+
+
+def _capacity(args, mode: str, preset) -> int:
+    """KV tokens per owning node of ``mode``: ``--kv-tokens-per-node``, or the capacity
+    model's under ``--gpu-memory-gib`` (or the memory ``--kv-weight-ratio`` implies)."""
+    if args.kv_tokens_per_node is not None:
+        return args.kv_tokens_per_node
+    from tknp_megatron.analysis.costmodel import gpu_gib_for_kv_ratio
+    from tknp_megatron.analysis.dual_choice import gpu_budget
+    from tknp_megatron.analysis.simulator import kv_tokens_per_owner
+    from tknp_megatron.config import get_preset
+    from tknp_megatron.placement import model_bytes
+
+    gib = args.gpu_memory_gib
+    if gib is None:  # DP's copy of the run's model (not DCP's variant), over --tp GPUs
+        base = get_preset(args.model)
+        if args.layers:
+            base = base.replace(num_layers=args.layers)
+        gib = gpu_gib_for_kv_ratio(model_bytes(base, 1 if args.fp8_weights else 2, 2), args.kv_weight_ratio,
+                                   args.tp)
+    budget = gpu_budget(preset, args.tp, gib, mem_util=1.0, fp8=args.fp8_weights)
+    return kv_tokens_per_owner(mode, preset, args.world // args.tp, budget)
+
+
+def print_ratios(rows: list) -> None:
+    """Per trace, TKNP's predicted throughput over each other mode's on the same model
+    (TKNP-MQA's over DCP's on DCP's variant)."""
+    by_trace = {}
+    for r in rows:
+        by_trace.setdefault((r["context"], r["offered_batch"], r["arrival_rate"]), {})[r["mode"]] = r
+    for (ctx, batch, rate), modes in by_trace.items():
+        parts = []
+        for ours, theirs in (("TKNP", [m for m in modes if m not in ("TKNP", "DCP", "TKNP-MQA")]),
+                             ("TKNP-MQA", ["DCP"])):
+            if ours not in modes:
+                continue
+            tok_s = {m: r["completion_throughput_tok_s"] for m, r in modes.items()}
+            parts += [f"{ours}/{m} {tok_s[ours] / tok_s[m]:.2f}" for m in theirs if m in tok_s and tok_s[m] > 0]
+        if parts:
+            print(f"predicted at ctx {ctx}, batch {batch}, rate {rate}: {', '.join(parts)}")
 
 
 def _json_safe(rows: list) -> list:
@@ -174,6 +229,7 @@ def main(argv=None) -> int:
         return 0
     rows = run(args)
     print_table(rows, H200_CALIBRATION.source if args.calibration == "h200" else "bare roofline")
+    print_ratios(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(_json_safe(rows), indent=1))
     return 0
