@@ -99,19 +99,11 @@ class RequestColumns:
     def take(self, index: torch.Tensor, **pads) -> "RequestColumns":
         """Requests ``index`` ``[R']``; -1 is a padding request, whose value in each column
         is the column's pad value or ``pads[name]``."""
-        idx = index.numpy()
-        dummy = idx < 0
-        size = len(self.request_ids)
-        if not size and not dummy.all():
-            raise IndexError(f"requests {idx[~dummy].tolist()} of columns holding none")
-        safe = np.where(dummy, 0, idx)  # numpy per column: this runs on every graph step
-        out = {}
-        for f in _FIELDS:
-            v = getattr(self, f.name).numpy()
-            col = v[safe] if size else np.empty(len(idx), dtype=v.dtype)
-            col[dummy] = pads.get(f.name, f.metadata["pad"])
-            out[f.name] = torch.from_numpy(col)
-        return RequestColumns(**out)
+        safe, dummy = _take_index(index, len(self.request_ids))  # numpy: this runs on every graph step
+        return RequestColumns(**{
+            f.name: _take(getattr(self, f.name).numpy(), safe, dummy, pads.get(f.name, f.metadata["pad"]))
+            for f in _FIELDS
+        })
 
     def sampling(self) -> SamplingTensors:
         """The ``[R]`` sampling tensors of :func:`~tknp_megatron.sampling.sample` (host)."""
@@ -146,8 +138,24 @@ _SAMPLING_SOURCES = tuple(  # the column behind each SamplingTensors field, in i
 def take_rows(values: torch.Tensor, index: torch.Tensor, pad) -> torch.Tensor:
     """``values[index]``, where index -1 gives ``pad`` (host tensors; in numpy, as a step's
     padding runs on every step's critical path)."""
-    v = values.numpy()
-    return torch.from_numpy(np.append(v, np.asarray(pad, dtype=v.dtype))[index.numpy()])
+    return _take(values.numpy(), *_take_index(index, len(values)), pad)
+
+
+def _take_index(index: torch.Tensor, size: int) -> Tuple[np.ndarray, np.ndarray]:
+    """``(safe, dummy)`` of a ``[R']`` index into ``size`` entries: -1 marks a padding entry
+    (``dummy``), read at 0 and overwritten (``safe``)."""
+    idx = index.numpy()
+    dummy = idx < 0
+    if not size and not dummy.all():
+        raise IndexError(f"requests {idx[~dummy].tolist()} of columns holding none")
+    return np.where(dummy, 0, idx), dummy
+
+
+def _take(values: np.ndarray, safe: np.ndarray, dummy: np.ndarray, pad) -> torch.Tensor:
+    """``values[safe]`` with ``pad`` where ``dummy`` (``safe`` is 0 there)."""
+    out = values[safe] if len(values) else np.empty(len(safe), dtype=values.dtype)
+    out[dummy] = pad
+    return torch.from_numpy(out)
 
 
 @dataclass(frozen=True)

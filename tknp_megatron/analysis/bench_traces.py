@@ -74,11 +74,15 @@ def trace_problems(args) -> List[str]:
     return list(dict.fromkeys(out))  # one line per context, whatever its batches
 
 
+def run_preset(args) -> ModelPreset:
+    """The model of ``--model`` with ``--layers`` (every mode's but DCP's variant)."""
+    preset = get_preset(args.model)
+    return preset.replace(num_layers=args.layers) if args.layers else preset
+
+
 def mode_runs(args) -> List[Tuple[str, str, ModelPreset]]:
     """``(label, mode, preset)`` for every requested mode (``dcp`` adds ``tknp-mqa``)."""
-    preset = get_preset(args.model)
-    if args.layers:
-        preset = preset.replace(num_layers=args.layers)
+    preset = run_preset(args)
     mqa = preset.replace(num_query_groups=args.dcp_kv_heads)
     out = [(m, m, preset) for m in args.modes if m != "dcp"]
     if "dcp" in args.modes:

@@ -156,12 +156,10 @@ def _one_copy(args):
     """``(preset, element bytes, ModelBytes)``: the run's model (every mode's but DCP's
     variant) and one copy of it as stored (FP8 GEMM weights with ``--fp8-recipe``, else
     the run's dtype)."""
-    from tknp_megatron.config import get_preset
+    from tknp_megatron.analysis.bench_traces import run_preset
     from tknp_megatron.placement import model_bytes
 
-    preset = get_preset(args.model)
-    if args.layers:
-        preset = preset.replace(num_layers=args.layers)
+    preset = run_preset(args)
     elem = dtype_from_name(args.dtype).itemsize
     return preset, elem, model_bytes(preset, 1 if dense_format(args).fp8_recipe else elem, elem)
 

@@ -24,7 +24,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from tknp_megatron.analysis.bench_traces import add_trace_flags, mode_runs, traces
+from tknp_megatron.analysis.bench_traces import add_trace_flags, mode_runs, run_preset, traces
 from tknp_megatron.analysis.simulator import H200_CALIBRATION, SIMULATED, Calibration, simulate
 
 PROG = "simulate_pool.py"
@@ -135,16 +135,12 @@ def _capacity(args, mode: str, preset) -> int:
     from tknp_megatron.analysis.costmodel import gpu_gib_for_kv_ratio
     from tknp_megatron.analysis.dual_choice import gpu_budget
     from tknp_megatron.analysis.simulator import kv_tokens_per_owner
-    from tknp_megatron.config import get_preset
     from tknp_megatron.placement import model_bytes
 
     gib = args.gpu_memory_gib
     if gib is None:  # DP's copy of the run's model (not DCP's variant), over --tp GPUs
-        base = get_preset(args.model)
-        if args.layers:
-            base = base.replace(num_layers=args.layers)
-        gib = gpu_gib_for_kv_ratio(model_bytes(base, 1 if args.fp8_weights else 2, 2), args.kv_weight_ratio,
-                                   args.tp)
+        copy = model_bytes(run_preset(args), 1 if args.fp8_weights else 2, 2)
+        gib = gpu_gib_for_kv_ratio(copy, args.kv_weight_ratio, args.tp)
     budget = gpu_budget(preset, args.tp, gib, mem_util=1.0, fp8=args.fp8_weights)
     return kv_tokens_per_owner(mode, preset, args.world // args.tp, budget)
 
