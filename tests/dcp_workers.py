@@ -87,6 +87,7 @@ def dcp_worker(rank, world, cases: Sequence[DCPCase], scenarios: Sequence[Scenar
             rebuilt = engine.executor.model.decoder.build_layer(0).self_attention.linear_qkv
             out[(case.name, "rebuilt")] = (type(rebuilt).__name__, tuple(rebuilt.weight.shape))
             out[(case.name, "dcp")] = (engine.dcp.degree, engine.dcp.shard, engine.dcp.kv_head)
+            out[(case.name, s.name, "triton")] = engine.executor.fused_decode
             out[(case.name, s.name)] = run_scenario(engine, s, None)
             out[(case.name, s.name, "kv")] = _cache_summary(engine)
         ps.destroy_model_parallel()

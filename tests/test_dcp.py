@@ -12,13 +12,17 @@ write only the rows a shard holds to real KV; the DCP QKV module holds exactly i
 of Megatron's fused weight.
 
 TRITON_INTERPRET=1 is set before anything imports ``triton`` (as in
-``test_attention_triton``), so where ``triton`` is installed the end-to-end runs' decode
-steps also take the Triton path, in the interpreter (spawned workers inherit it).
+``test_attention_triton``), so where ``triton`` is installed the W = 2 end-to-end runs'
+decode steps also take the Triton path, in the interpreter (spawned workers inherit it).
+The W = 4 runs decode through the torch partial attention, which the unit tests prove
+equal to the kernel shard by shard: interpreted, they take three times as long.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import importlib.util
 import os
 import sys
 import types
@@ -241,11 +245,31 @@ def dcp_reference():
     return spawn(reference_worker, 1, (CASES, SCENARIOS, SEED), timeout_s=300)[0]
 
 
+TRITON_WORLDS = (2,)  # the end-to-end worlds whose decode steps run the Triton kernel
+
+
+@contextlib.contextmanager
+def _interpreter(on: bool):
+    """TRITON_INTERPRET as ``on`` says for the pools started inside (they copy the
+    environment), restored after."""
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+
+
 @pytest.fixture(scope="module")
 def dcp():
     out = {}
     for world in sorted({c.world for c in CASES}):
-        for rank_out in spawn(dcp_worker, world, (CASES, SCENARIOS, SEED), timeout_s=300):
+        with _interpreter(world in TRITON_WORLDS):
+            rank_outs = spawn(dcp_worker, world, (CASES, SCENARIOS, SEED), timeout_s=300)
+        for rank_out in rank_outs:
             for key, value in rank_out.items():
                 out.setdefault(key, []).append(value)  # per rank, in rank order
     return out
@@ -260,6 +284,16 @@ def test_matches_reference(dcp, dcp_reference, case, scenario):
     run = dcp[(case.name, scenario.name)][0]  # the coordinator's results
     gens, _ = dcp_reference[(case.base, case.kv_heads)]
     assert_matches_reference(run["results"], gens[scenario.name], logits=not scenario.graphs)
+
+
+@pytest.mark.parametrize("case,scenario", CASE_SCENARIOS,
+                         ids=[f"{c.name}-{s.name}" for c, s in CASE_SCENARIOS])
+def test_decode_kernel_is_the_one_asked_for(dcp, case, scenario):
+    """W = 2's decode steps ran the Triton kernel where ``triton`` is installed; W = 4's
+    the torch partial attention."""
+    triton_importable = importlib.util.find_spec("triton") is not None
+    expected = case.world in TRITON_WORLDS and triton_importable
+    assert dcp[(case.name, scenario.name, "triton")] == [expected] * case.world
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

@@ -162,9 +162,10 @@ def _run_with_tty_stderr(*flags) -> str:
         if not data:
             break
         chunks.append(data)
-    assert proc.wait(timeout=240) == 0
     os.close(leader)
-    return b"".join(chunks).decode(errors="replace")
+    shown = b"".join(chunks).decode(errors="replace")
+    assert proc.wait(timeout=240) == 0, shown[-3000:]
+    return shown
 
 
 def test_progress_lines_on_a_terminal_only():

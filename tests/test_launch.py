@@ -48,3 +48,42 @@ def test_a_pool_starts_where_tmpdir_is_too_deep_for_a_forkserver_socket(tmp_path
 def test_a_pool_starts_from_a_forkserver_where_it_fits():
     short = Path("/tmp")
     assert _start(short) == ["forkserver", "[3,", "3]"]
+
+
+def test_a_pool_starts_while_the_port_free_port_names_is_taken(monkeypatch):
+    """A pool's rendezvous is bound by the OS as it is chosen, never picked free and bound
+    later: with every port that ``free_port`` would name already taken (as a parallel test
+    or a server can take it in between), the pool still starts."""
+    import socket
+
+    from tknp_megatron import launch
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setattr(launch, "free_port", lambda: taken.getsockname()[1])
+        assert launch.spawn(_rank_sum, 2, timeout_s=60) == [3, 3]
+
+
+def _exit_at_once(rank: int, world: int) -> None:
+    """Rank 1 dies without a word (as a killed process does) while rank 0 is busy for longer
+    than the test waits."""
+    import os
+    import time
+
+    if rank == 1:
+        os._exit(3)
+    time.sleep(90)
+
+
+def test_a_rank_that_dies_unreported_fails_the_pool_at_once():
+    import time
+
+    import pytest
+
+    from tknp_megatron.launch import PoolFailure, spawn
+
+    start = time.monotonic()
+    with pytest.raises(PoolFailure, match="rank 1 of 2 exited with code 3 and no result"):
+        spawn(_exit_at_once, 2, timeout_s=120)
+    assert time.monotonic() - start < 60

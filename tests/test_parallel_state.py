@@ -8,8 +8,6 @@ The workers only observe (coordinates, collective results, Megatron's getters, e
 the parent checks the observations against the layout rank = node * T + tp_rank.
 """
 
-import os
-import socket
 
 import pytest
 import torch
@@ -110,23 +108,22 @@ def pools_worker(rank: int, world: int, shapes_by_world) -> dict:
     """Run the shapes of the launch world, then of smaller worlds carved out of it."""
     import torch.distributed as dist
 
-    from tknp_megatron.launch import init_distributed
+    from datetime import timedelta
 
     out = {world: _run_shapes(world, shapes_by_world[world])}
     smaller = sorted((s for s in shapes_by_world if s < world), reverse=True)
-    # one port per later world, held open during the exchange so no two ranks share one
-    socks = [socket.socket() for _ in smaller]
-    for sock in socks:
-        sock.bind(("127.0.0.1", 0))
+    # each later world's rendezvous: a store its leader binds now (the OS picks the port),
+    # its port sent to every rank before the launch world goes
+    timeout = timedelta(seconds=TIMEOUT_S)
+    stores = [dist.TCPStore("127.0.0.1", 0, None, True, timeout=timeout, wait_for_workers=False)
+              if rank % size == 0 else None for size in smaller]
     ports = [None] * world
-    dist.all_gather_object(ports, [sock.getsockname()[1] for sock in socks])
-    for sock in socks:
-        sock.close()
+    dist.all_gather_object(ports, [store.port if store else None for store in stores])
     dist.destroy_process_group()
     for i, size in enumerate(smaller):
         leader = rank - rank % size
-        os.environ["MASTER_PORT"] = str(ports[leader][i])
-        init_distributed("gloo", rank % size, size, timeout_s=TIMEOUT_S)
+        store = stores[i] or dist.TCPStore("127.0.0.1", ports[leader][i], None, False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank % size, world_size=size, timeout=timeout)
         out[size] = _run_shapes(size, shapes_by_world[size])
         dist.destroy_process_group()
     return out

@@ -16,7 +16,7 @@ import socket
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, List, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,8 @@ class PoolFailure(RuntimeError):
 
 
 def free_port() -> int:
+    """A port free now, for a server that binds it itself; a pool's rendezvous never uses
+    one (see :func:`_rendezvous`): another process may take it before it is bound."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -40,13 +42,16 @@ def init_tool_process(device_type: str) -> torch.device:
     """A command-line tool's process group: under torchrun its rank, else a world of one;
     NCCL on ``cuda`` (the device of ``LOCAL_RANK``, made current), gloo on ``cpu``. Returns
     the device."""
-    if "RANK" not in os.environ:  # one process without torchrun
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     device = torch.device("cpu")
     if device_type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if "RANK" not in os.environ:  # one process without torchrun: a world of one, no port
+        os.environ.update(RANK="0", WORLD_SIZE="1")
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        dist.init_process_group(backend)
     return device
 
 
@@ -74,14 +79,30 @@ def exit_with(main: Callable[[], int]) -> None:
     os._exit(code)
 
 
-def init_distributed(backend: str, rank: int, world_size: int, timeout_s: float = 120.0) -> None:
-    """``init_process_group`` from MASTER_ADDR / MASTER_PORT, with a collective timeout."""
+def init_distributed(backend: str, rank: int, world_size: int, timeout_s: float = 120.0,
+                     store_port: Optional[int] = None) -> None:
+    """``init_process_group`` with a collective timeout: from MASTER_ADDR / MASTER_PORT
+    (torchrun's rendezvous), or joining a local pool's store on ``store_port`` (see
+    :func:`_rendezvous`)."""
+    store = None
+    if store_port is not None:
+        store = dist.TCPStore("127.0.0.1", store_port, world_size, False, timeout=timedelta(seconds=timeout_s))
     dist.init_process_group(
         backend,
+        store=store,
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
+
+
+def _rendezvous(timeout_s: float) -> "dist.TCPStore":
+    """A local pool's rendezvous: the store's server, held by the launching process for the
+    pool's life, on a port the OS picks as it binds (port 0). Picking a free port first and
+    letting rank 0 bind it later leaves a window in which another process (a parallel test,
+    a server) can take it, and the pool then fails to start."""
+    return dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
 
 
 def _to_bytes(value: Any) -> bytes:
@@ -128,22 +149,19 @@ def _context():
     return forkserver_context(PRELOAD)
 
 
-def _enter(env: Tuple[dict, str], port: int) -> None:
+def _enter(env: Tuple[dict, str]) -> None:
     """A worker's environment and working directory: the caller's at launch (a
-    forkserver's children otherwise keep the server's, from when it started), with the
-    pool's rendezvous address."""
+    forkserver's children otherwise keep the server's, from when it started)."""
     os.environ.clear()
     os.environ.update(env[0])
     os.chdir(env[1])
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
 
 
 def _worker(rank, world_size, port, fn, args, results, timeout_s, env):
-    _enter(env, port)
+    _enter(env)
     torch.set_num_threads(1)
     try:
-        init_distributed("gloo", rank, world_size, timeout_s)
+        init_distributed("gloo", rank, world_size, timeout_s, store_port=port)
         out = fn(rank, world_size, *args)
         results.put((rank, True, _to_bytes(out)))
     except BaseException:  # report every failure to the parent, then exit
@@ -165,11 +183,13 @@ def spawn(
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes.
 
     ``fn`` must be importable (module level). Returns the per-rank return values.
-    Raises :class:`PoolFailure` on the first worker error or on timeout.
+    Raises :class:`PoolFailure` on the first worker error, on a worker that exits without a
+    result, or on timeout.
     """
     ctx = _context()
     results = ctx.Queue()
-    port = free_port()
+    store = _rendezvous(timeout_s)  # held here until the pool ends
+    port = store.port
     env = (dict(os.environ), os.getcwd())
     procs = [
         ctx.Process(
@@ -183,15 +203,26 @@ def spawn(
         p.start()
     out: dict = {}
     deadline = time.monotonic() + timeout_s
+    silent_before: List[int] = []
     try:
         while len(out) < world_size:
             try:
-                rank, ok, value = results.get(timeout=max(1.0, deadline - time.monotonic()))
+                rank, ok, value = results.get(timeout=1.0)
             except queue.Empty:
-                raise PoolFailure(
-                    f"pool of {world_size} timed out after {timeout_s:.0f}s "
-                    f"(ranks done: {sorted(out)})"
-                ) from None
+                # a rank that exited unreported (killed, or dead before its function ran)
+                # fails the pool now, not at the timeout: seen on two empty polls a
+                # second apart, so a report it sent as it exited has been read first
+                silent = [r for r, p in enumerate(procs) if r not in out and p.exitcode is not None]
+                if silent and silent == silent_before:
+                    raise PoolFailure(f"rank {silent[0]} of {world_size} exited with code "
+                                      f"{procs[silent[0]].exitcode} and no result (ranks done: {sorted(out)})")
+                silent_before = silent
+                if time.monotonic() > deadline:
+                    raise PoolFailure(
+                        f"pool of {world_size} timed out after {timeout_s:.0f}s "
+                        f"(ranks done: {sorted(out)})"
+                    ) from None
+                continue
             if not ok:
                 raise PoolFailure(f"rank {rank} failed:\n{value}")
             out[rank] = _from_bytes(value)
@@ -220,9 +251,9 @@ def run_ranks(fn: Callable[..., Any], args: Any, device: str, world: int,
 
 
 def _serving_worker(rank, world_size, port, fn, args, timeout_s, env):
-    _enter(env, port)
+    _enter(env)
     torch.set_num_threads(1)
-    init_distributed("gloo", rank, world_size, timeout_s)
+    init_distributed("gloo", rank, world_size, timeout_s, store_port=port)
     fn(rank, world_size, *args)  # an exception exits the process with status 1
 
 
@@ -237,7 +268,8 @@ def supervise(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
     import signal
 
     ctx = _context()
-    port = free_port()
+    store = _rendezvous(timeout_s)  # held here until the pool ends
+    port = store.port
     env = (dict(os.environ), os.getcwd())
     procs = [ctx.Process(target=_serving_worker, args=(r, world_size, port, fn, tuple(args), timeout_s, env))
              for r in range(world_size)]

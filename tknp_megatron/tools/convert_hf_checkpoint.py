@@ -31,12 +31,10 @@ def main(argv=None) -> None:
 
     import parallel_state as ps
     from tknp_megatron.config import dtype_from_name
-    from tknp_megatron.launch import free_port, init_distributed
+    from tknp_megatron.launch import init_tool_process
     from tknp_megatron.models.hf_convert import convert_hf_to_dist_checkpoint, hf_checkpoint_dtype
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    init_distributed("gloo", 0, 1)
+    init_tool_process("cpu")  # a world of one
     try:
         ps.initialize_model_parallel(1)
         dtype = dtype_from_name(args.dtype) if args.dtype else hf_checkpoint_dtype(args.hf)
