@@ -138,6 +138,36 @@ def test_registry_names_and_errors():
     assert "fa4" not in names  # flash-attn-4 needs compute capability 9.0+
     with pytest.raises(ValueError, match="not available"):
         get_backend("fa4", "cpu")
+    assert "fa3" not in names  # FlashAttention 3 runs on Hopper only
+    with pytest.raises(ValueError, match="not available"):
+        get_backend("fa3", "cpu")
+
+
+def test_fa3_found_in_a_vllm_folder_and_its_load_failure_named(tmp_path, monkeypatch):
+    """The FA3 extension is looked up inside a ``vllm`` folder on the path without importing
+    vLLM; a file there that does not load (built for another torch, or for CUDA on this CPU
+    build) leaves the backend unavailable with one line naming the file and the loader's
+    reason."""
+    import importlib
+
+    from tknp_megatron.attention import flash3
+
+    folder = tmp_path / "vllm" / "vllm_flash_attn"
+    folder.mkdir(parents=True)
+    library = folder / "_vllm_fa3_C.abi3.so"
+    library.write_bytes(b"not a shared library")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    flash3._load.cache_clear()
+    try:
+        assert flash3.fa3_library_path() == library
+        why = flash3.fa3_unavailable_reason()
+        assert why.startswith(f"{library} does not load here: ") and "\n" not in why
+        assert not flash3.fa3_available()
+        with pytest.raises(RuntimeError, match="fa3 backend: .* does not load here"):
+            flash3.FlashAttn3Backend()
+    finally:
+        flash3._load.cache_clear()
 
 
 def test_register_custom_backend():
@@ -207,6 +237,23 @@ def test_flash_matches_torch_reference(mixed):
     case = make_paged_case(query_lens, seq_lens, num_heads=8, num_kv_heads=2, head_dim=128,
                            block_size=256, dtype=torch.bfloat16, device="cuda", poison=False)
     out = get_backend("flash", "cuda")(*case.args())
+    ref = get_backend("torch", "cuda")(*case.args())
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def _fa3_usable() -> bool:
+    return torch.cuda.is_available() and "fa3" in available_backends("cuda")
+
+
+@pytest.mark.skipif(not _fa3_usable(), reason="vLLM's FA3 library and a Hopper GPU are optional; CI has neither")
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("mixed", [False, True])
+def test_fa3_matches_torch_reference(mixed, block_size):
+    """Where vLLM's FA3 library loads (GPU machines), it must match the reference backend."""
+    query_lens = [3, 1, 5] if mixed else [1, 1, 1]
+    case = make_paged_case(query_lens, [300, 700, 1200], num_heads=8, num_kv_heads=2, head_dim=128,
+                           block_size=block_size, dtype=torch.bfloat16, device="cuda", poison=False)
+    out = get_backend("fa3", "cuda")(*case.args())
     ref = get_backend("torch", "cuda")(*case.args())
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 

@@ -110,3 +110,17 @@ def test_a_memory_regime_given_as_dps_kv_over_weights(capsys):
         assert says in capsys.readouterr().err.strip().splitlines()[-1]
     with pytest.raises(ValueError, match="must be > 0"):
         gpu_gib_for_kv_ratio(model_bytes(preset), -1.0)
+
+
+def test_an_attention_backend_not_usable_here_is_refused_in_one_line(capsys):
+    import pytest
+
+    from tknp_megatron.tools.bench_serving import parse_args
+
+    base = ["--model", "tiny", "--contexts", "24", "--batches", "2", "--kv-tokens-per-node", "64"]
+    assert parse_args(base + ["--attention-backend", "sdpa"]).attention_backend == "sdpa"
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(base + ["--attention-backend", "fa3"])
+    assert exit_.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--attention-backend fa3: not usable on cpu; choose one of " in line and "torch" in line

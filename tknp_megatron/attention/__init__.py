@@ -2,8 +2,9 @@
 
 Backends register themselves on import: ``torch`` (reference), ``sdpa`` (vectorised
 torch), ``triton`` (paged split-K decode; needs ``triton`` and CUDA, or
-``TRITON_INTERPRET=1`` on CPU), ``flash`` (only when ``flash_attn`` 2 imports) and ``fa4``
-(flash-attn-4, only when ``flash_attn.cute`` imports, on compute capability 9.0+).
+``TRITON_INTERPRET=1`` on CPU), ``flash`` (only when ``flash_attn`` 2 imports), ``fa3``
+(FlashAttention 3 from vLLM's wheel, only when its library loads, on compute capability
+9.x) and ``fa4`` (flash-attn-4, only when ``flash_attn.cute`` imports, on 9.0+).
 ``get_backend(None, device)`` picks ``triton`` on CUDA when usable, else ``torch``.
 
 The Triton launch helpers (:class:`TritonConfig`, :func:`decode_launch`, :func:`choose_num_splits`,
@@ -13,6 +14,7 @@ launch them exactly as the ``triton`` backend does.
 """
 
 from tknp_megatron.attention import flash as _flash  # noqa: F401  (registers "flash"; imports flash_attn lazily)
+from tknp_megatron.attention import flash3 as _flash3  # noqa: F401  (registers "fa3"; loads its library lazily)
 from tknp_megatron.attention import flash4 as _flash4  # noqa: F401  (registers "fa4"; imports flash_attn.cute lazily)
 from tknp_megatron.attention import sdpa as _sdpa  # noqa: F401  (registers "sdpa")
 from tknp_megatron.attention import torch_ref as _torch_ref  # noqa: F401  (registers "torch")

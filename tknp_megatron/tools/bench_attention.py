@@ -18,8 +18,9 @@ as ``[Hkv, block_size, d]`` (one head's page contiguous) instead of the engine's
   folded into the query length, ``[B, Hkv, G, d]``, which reads K/V once per group);
 - copy: a device-to-device copy moving the same number of bytes as attention reads
   (reads half, writes half): the bandwidth ceiling;
-- fa4: the ``fa4`` backend (flash-attn-4) over the same paged cache, when it imports;
-  checked against the reference like triton, timed from CUDA graphs (``fa4_us``);
+- fa3, fa4: the ``fa3`` backend (FlashAttention 3 from vLLM's wheel) and the ``fa4``
+  backend (flash-attn-4) over the same paged cache, each when it is there; checked against
+  the reference like triton, timed from CUDA graphs (``fa3_us``, ``fa4_us``);
 - flash: ``flash_attn_with_kvcache`` on contiguous K/V, when flash_attn imports.
 
 Bandwidth = bytes of K and V read / time. Prints one table last and writes JSON to
@@ -36,6 +37,7 @@ import statistics
 import time
 from pathlib import Path
 
+LIBRARIES = ("fa3", "fa4")  # the paged backends of other libraries, timed where they are there
 COLUMNS = ["B", "ctx", "hq/hkv/d", "triton_us", "triton_TBps", "pct_of_copy", "sdpa_us", "sdpa_TBps", "copy_TBps", "rel_err"]
 
 
@@ -180,13 +182,14 @@ def run_shape(env, args, batch, ctx, hq, hkv, head_dim):
         head_major=args.kv_layout == "head-major")
     qs = [case.q] + [torch.randn_like(case.q) for _ in range(args.query_sets - 1)]
     out, ref = check_and_time_triton(env, args, case, qs, row)
-    if env["fa4"] is not None and args.kv_layout == "token-major":
-        check_and_time_fa4(env, args, case, qs, row, ref)
+    if args.kv_layout == "token-major":
+        for name in env["libraries"]:
+            check_and_time_library(env, name, args, case, qs, row, ref)
     if not args.spread:
         time_contiguous_kernels(env, case, qs, out, row)
     del case, qs, out
     time_copy(env, row)
-    for name in ("triton", "fa4", "sdpa", "copy"):
+    for name in ("triton", *LIBRARIES, "sdpa", "copy"):
         if f"{name}_us" in row:
             row[f"{name}_TBps"] = row["kv_bytes"] / (row[f"{name}_us"] * 1e-6) / 1e12
     row["pct_of_copy"] = 100.0 * row["triton_TBps"] / row["copy_TBps"]
@@ -266,22 +269,23 @@ def check_and_time_triton(env, args, case, qs, row):
     return out, ref
 
 
-def check_and_time_fa4(env, args, case, qs, row, ref):
-    """flash-attn-4 over the same paged cache: checked on the reference's requests, then
-    timed eager and (on CUDA) from graphs; a failure is recorded, not raised."""
+def check_and_time_library(env, name, args, case, qs, row, ref):
+    """A library's backend (``fa3``, ``fa4``) over the same paged cache: checked on the
+    reference's requests, then timed eager and (on CUDA) from graphs; a failure is
+    recorded, not raised."""
     meta, n_ref = case.meta, row["ref_requests"]
-    backend = env["attn"].get_backend("fa4", env["device"])
-    call = lambda q: backend(q, case.k_cache, case.v_cache, meta, case.scale)
     try:
-        row["fa4_rel_err"] = rel_err(call(case.q)[:n_ref], ref)
+        backend = env["attn"].get_backend(name, env["device"])
+        call = lambda q: backend(q, case.k_cache, case.v_cache, meta, case.scale)
+        row[f"{name}_rel_err"] = rel_err(call(case.q)[:n_ref], ref)
     except Exception as exc:
-        row["fa4_status"] = f"error: {type(exc).__name__}: {exc}"[:200]
+        row[f"{name}_status"] = f"error: {type(exc).__name__}: {exc}"[:200]
         return
-    if not row["fa4_rel_err"] < 1e-2:
-        row["fa4_status"] = "WRONG"
+    if not row[f"{name}_rel_err"] < 1e-2:
+        row[f"{name}_status"] = "WRONG"
         return
-    row["fa4_eager_us"] = env["timer"](lambda i: call(qs[i % len(qs)]))
-    row["fa4_us"] = graph_time(env, call, qs) if not args.no_graphs else row["fa4_eager_us"]
+    row[f"{name}_eager_us"] = env["timer"](lambda i: call(qs[i % len(qs)]))
+    row[f"{name}_us"] = graph_time(env, call, qs) if not args.no_graphs else row[f"{name}_eager_us"]
 
 
 def parse_config(text: str, waves: int):
@@ -351,22 +355,23 @@ def check_small_cases(env, dry_run):
         ref = attn.get_backend("torch")(*case.args())
         err = rel_err(out, ref) if bool(torch.isfinite(out.float()).all()) else float("inf")
         rows.append(dict(case=i, dtype=dt, rel_err=err, ok=err < (1e-4 if dt == "float32" else 1e-2)))
-        if env["fa4"] is not None and dt != "float32":
-            rows.append(check_fa4_case(env, i, dt, case, ref))
+        if dt != "float32":
+            rows += [check_library_case(env, name, i, dt, case, ref) for name in env["libraries"]]
     if env["device"].type == "cuda":
         for hq, hkv, d, balance in ((12, 1, 192, None), (8, 1, 128, 2)):
             rows.append(check_graph_replay(env, hq, hkv, d, balance))
     return rows
 
 
-def check_fa4_case(env, i, dt, case, ref):
-    """One small case through ``fa4``: ``ok`` False if wrong, None if FA4 refuses the shape."""
+def check_library_case(env, name, i, dt, case, ref):
+    """One small case through a library's backend: ``ok`` False if wrong, None if it
+    refuses the shape."""
     try:
-        out = env["attn"].get_backend("fa4", env["device"])(*case.args())
+        out = env["attn"].get_backend(name, env["device"])(*case.args())
     except Exception as exc:
-        return dict(case=f"{i} fa4", dtype=dt, ok=None, status=f"refused: {type(exc).__name__}: {exc}"[:200])
+        return dict(case=f"{i} {name}", dtype=dt, ok=None, status=f"refused: {type(exc).__name__}: {exc}"[:200])
     err = rel_err(out, ref) if bool(env["torch"].isfinite(out.float()).all()) else float("inf")
-    return dict(case=f"{i} fa4", dtype=dt, rel_err=err, ok=err < 1e-2)
+    return dict(case=f"{i} {name}", dtype=dt, rel_err=err, ok=err < 1e-2)
 
 
 def check_graph_replay(env, hq, hkv, d, balance):
@@ -426,7 +431,7 @@ def attn_gather(env, cache, block_table, ctx):
 
 
 def fmt_table(rows):
-    extra = [c for c in ("launch", "triton_graph_us", "triton_best_graph_us", "best_config", "fa4_us", "flash_us")
+    extra = [c for c in ("launch", "triton_graph_us", "triton_best_graph_us", "best_config", "fa3_us", "fa4_us", "flash_us")
              if any(c in r for r in rows)]
     lines = ["  ".join(f"{c:>11}" for c in COLUMNS + extra)]
     for r in rows:
@@ -461,8 +466,8 @@ def setup(args):
     except Exception:
         flash_attn = None
     num_sms = device_num_sms(device)
-    fa4 = "fa4" if device.type == "cuda" and "fa4" in attn.available_backends(device) else None
-    return dict(fa4=fa4, torch=torch, F=F, attn=attn, paging=paging, testing=testing, device=device, num_sms=num_sms,
+    libraries = [n for n in LIBRARIES if device.type == "cuda" and n in attn.available_backends(device)]
+    return dict(libraries=libraries, torch=torch, F=F, attn=attn, paging=paging, testing=testing, device=device, num_sms=num_sms,
                 decode_launch=decode_launch, flash=flash_attn if device.type == "cuda" else None,
                 timer=Timer(torch, device, args.warmup, args.reps, not args.no_flush))
 
@@ -501,7 +506,7 @@ def main(argv=None) -> int:
           + "".join(f"; {c['case']} {c['status']}" for c in checks if c["ok"] is None))
     print(fmt_table(rows), flush=True)
     wrong = [r for r in rows if r.get("status") == "WRONG" or r.get("status", "").startswith("error")
-             or r.get("fa4_status") == "WRONG"]
+             or any(r.get(f"{n}_status") == "WRONG" for n in LIBRARIES)]
     return 0 if all(c["ok"] is not False for c in checks) and not wrong else 1
 
 

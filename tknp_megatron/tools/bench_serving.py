@@ -59,6 +59,9 @@ def parse_args(argv=None):
     p.add_argument("--no-fused-rope", action="store_true",
                    help="with the fused kernels, Megatron's RoPE and K/V append instead of one kernel "
                         "per layer (EngineConfig.fused_rope)")
+    p.add_argument("--attention-backend", default=None, metavar="NAME",
+                   help="the owners' paged attention for every mode but DCP (whose shards run their "
+                        "own): triton, fa3, fa4, ... (default: the device's, EngineConfig.attention_backend)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--dtype", default=None)
     p.add_argument("--transformer-impl", default="auto", metavar="IMPL",
@@ -81,6 +84,13 @@ def parse_args(argv=None):
         problems.append("--force-dual: only with --modes tknp-dual")
     if args.kv_weight_ratio is not None:
         problems += kv_ratio_problems(args)
+    if args.attention_backend is not None:
+        from tknp_megatron.attention import available_backends
+
+        usable = available_backends(args.device)
+        if args.attention_backend not in usable:
+            problems.append(f"--attention-backend {args.attention_backend}: not usable on {args.device}; "
+                            f"choose one of {', '.join(usable)}")
     if problems:
         p.error("; ".join(problems))
     if args.kv_weight_ratio is not None:
@@ -215,7 +225,7 @@ def worker(rank, world, args):
                           gpu_memory_cap_gib=args.gpu_memory_gib, cuda_graphs=args.cuda_graphs,
                           max_prefill_tokens=1 << 30,
                           fused_elementwise=False if args.no_fused_elementwise else None,
-                          fused_rope=not args.no_fused_rope)
+                          fused_rope=not args.no_fused_rope, attention_backend=args.attention_backend)
     rows = []
     for ctx, batch, rate, trace in traces(args):
         for label, mode, preset in planned_runs(args, (ctx, batch, rate)):
