@@ -4,7 +4,8 @@ the compiled extension that vLLM's wheel ships (``vllm/vllm_flash_attn/_vllm_fa3
 Why this source: FlashAttention 3 has no wheel of its own on PyPI, flash-attn 2's paged
 decode needs pages of 256 tokens, and flash-attn-4 has no split-K on Hopper
 (``flash4.py``); vLLM builds FA3 with paged KV of any page size, split-K and packed GQA,
-and its decode over pages is the one its engine runs (``docs/ARCHITECTURE.md``, "Peers").
+and its decode over pages is the one its engine runs (``docs/ARCHITECTURE.md``, "Kernels
+per shape").
 The extension needs only torch and the CUDA runtime, so it is loaded by path with
 ``torch.ops.load_library``, without importing vLLM (whose import initialises its own
 platform and configuration): a folder holding just ``vllm/vllm_flash_attn/`` with the
@@ -71,8 +72,9 @@ def _load() -> Optional[str]:
         return "no vllm/vllm_flash_attn/_vllm_fa3_C*.so on the Python path (vLLM's wheel ships it)"
     try:
         torch.ops.load_library(str(path))
-    except OSError as exc:  # built for another torch or CUDA
-        return f"{path} does not load here: {exc}"
+    except (OSError, RuntimeError) as exc:  # built for another torch or CUDA
+        cause = exc.__cause__ or exc  # torch wraps the loader's own message
+        return f"{path} does not load here: {' '.join(str(cause).split())}"
     try:
         schema = getattr(torch.ops, OP_NAMESPACE).fwd.default._schema
     except (AttributeError, RuntimeError):
