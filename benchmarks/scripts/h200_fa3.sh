@@ -9,9 +9,13 @@
 #                   layers, 8K, B = 16 / 64 / 128, 128 output tokens, CUDA graphs): vLLM's TP1
 #                   layout of benchmarks/RESULTS.md, "vLLM as a peer again"
 # Set up by the caller: megatron-core on PYTHONPATH and the library at
-# $FA3_SITE/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so (vLLM 0.26.0's wheel holds it; the
-# parcel is that one file, 36 MB zipped:
-#   unzip -q .whl_fa3/fa3.zip -d /tmp/fa3   # FA3_SITE defaults to /tmp/fa3
+# $FA3_SITE/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so (vLLM 0.26.0's wheel, the one of
+# vllm_wheels.txt, holds it). The parcel is that one file, 36 MB zipped, made here with
+#   python3 -c "import zipfile; w = zipfile.ZipFile('vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl'); \
+#     n = 'vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so'; w.extract(n, 'x'); \
+#     zipfile.ZipFile('.whl_fa3/fa3.zip', 'w', zipfile.ZIP_DEFLATED).write('x/' + n, n)"
+# and opened there with
+#   python3 -m zipfile -e .whl_fa3/fa3.zip /tmp/fa3   # FA3_SITE defaults to /tmp/fa3
 # Usage: OUT=dir [PART="attention serving"] [BATCH=...] [CTX=...] [TP="1 2 8"] bash $0
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
