@@ -87,3 +87,18 @@ def test_a_rank_that_dies_unreported_fails_the_pool_at_once():
     with pytest.raises(PoolFailure, match="rank 1 of 2 exited with code 3 and no result"):
         spawn(_exit_at_once, 2, timeout_s=120)
     assert time.monotonic() - start < 60
+
+
+def test_a_free_port_for_a_server_lies_below_the_ephemeral_range():
+    """Outgoing connections borrow ports from the kernel's ephemeral range, so a port picked
+    there for a server to bind later can be taken first; free_port picks below it."""
+    import socket
+
+    from tknp_megatron.launch import _ephemeral_range, free_port
+
+    low, high = _ephemeral_range()
+    assert 0 < low < high  # Linux: the CI's machines and this one
+    ports = {free_port() for _ in range(8)}
+    assert all(10000 <= p < low for p in ports) and len(ports) > 1
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", ports.pop()))  # free, as promised

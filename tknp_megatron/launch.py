@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import os
 import queue
+import random
 import socket
 import time
 import traceback
@@ -31,11 +32,39 @@ class PoolFailure(RuntimeError):
 
 
 def free_port() -> int:
-    """A port free now, for a server that binds it itself; a pool's rendezvous never uses
-    one (see :func:`_rendezvous`): another process may take it before it is bound."""
+    """A port free now, for a server that binds it itself later (an HTTP port, torchrun's
+    rendezvous endpoint); a pool's rendezvous never uses one (see :func:`_rendezvous`).
+
+    Until the server binds it, another process may take it. Within the kernel's ephemeral
+    range any outgoing connection of any process can (a busy machine opens hundreds), so
+    where that range is known the port comes from below it, where only another explicit
+    bind can: picked at random, then checked free."""
+    low = _ephemeral_range()[0]
+    rng = random.SystemRandom()
+    for _ in range(64 if low > _LOWEST_PORT + 1000 else 0):
+        port = rng.randrange(_LOWEST_PORT, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+_LOWEST_PORT = 10000  # above the well-known and most registered services' ports
+
+
+def _ephemeral_range() -> Tuple[int, int]:
+    """The ports the kernel lends to outgoing connections (Linux; else none known)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 0, 0
 
 
 def init_tool_process(device_type: str) -> torch.device:
