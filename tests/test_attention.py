@@ -241,36 +241,28 @@ def test_flash_matches_torch_reference(mixed):
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
-def _fa3_usable() -> bool:
-    return torch.cuda.is_available() and "fa3" in available_backends("cuda")
+def _usable_on_cuda(name: str) -> bool:
+    return torch.cuda.is_available() and name in available_backends("cuda")
 
 
-@pytest.mark.skipif(not _fa3_usable(), reason="vLLM's FA3 library and a Hopper GPU are optional; CI has neither")
-@pytest.mark.parametrize("block_size", [16, 64])
+def _library_case(name: str, block_size: int, why: str):
+    return pytest.param(name, block_size, id=f"{name}-{block_size}",
+                        marks=pytest.mark.skipif(not _usable_on_cuda(name), reason=why))
+
+
+@pytest.mark.parametrize("name,block_size", [
+    # vLLM's FA3 at the engine's page and a larger one
+    *(_library_case("fa3", b, "vLLM's FA3 library and a Hopper GPU are optional; CI has neither") for b in (16, 64)),
+    # flash-attn-4 at the engine's page size (its non-TMA path) and at its key tile (TMA)
+    *(_library_case("fa4", b, "flash-attn-4 and a Hopper+ GPU are optional; CI has neither") for b in (16, 128)),
+])
 @pytest.mark.parametrize("mixed", [False, True])
-def test_fa3_matches_torch_reference(mixed, block_size):
-    """Where vLLM's FA3 library loads (GPU machines), it must match the reference backend."""
+def test_library_backend_matches_torch_reference(name, block_size, mixed):
+    """Where another library's paged kernel is there (GPU machines), it must match the
+    reference backend."""
     query_lens = [3, 1, 5] if mixed else [1, 1, 1]
     case = make_paged_case(query_lens, [300, 700, 1200], num_heads=8, num_kv_heads=2, head_dim=128,
                            block_size=block_size, dtype=torch.bfloat16, device="cuda", poison=False)
-    out = get_backend("fa3", "cuda")(*case.args())
-    ref = get_backend("torch", "cuda")(*case.args())
-    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
-
-
-def _fa4_usable() -> bool:
-    return torch.cuda.is_available() and "fa4" in available_backends("cuda")
-
-
-@pytest.mark.skipif(not _fa4_usable(), reason="flash-attn-4 and a Hopper+ GPU are optional; CI has neither")
-@pytest.mark.parametrize("block_size", [16, 128])
-@pytest.mark.parametrize("mixed", [False, True])
-def test_fa4_matches_torch_reference(mixed, block_size):
-    """Where flash-attn-4 imports (GPU machines), it must match the reference backend, at the
-    engine's page size (FA4's non-TMA path) and at its key tile (TMA)."""
-    query_lens = [3, 1, 5] if mixed else [1, 1, 1]
-    case = make_paged_case(query_lens, [300, 700, 1200], num_heads=8, num_kv_heads=2, head_dim=128,
-                           block_size=block_size, dtype=torch.bfloat16, device="cuda", poison=False)
-    out = get_backend("fa4", "cuda")(*case.args())
+    out = get_backend(name, "cuda")(*case.args())
     ref = get_backend("torch", "cuda")(*case.args())
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)

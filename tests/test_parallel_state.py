@@ -108,22 +108,19 @@ def pools_worker(rank: int, world: int, shapes_by_world) -> dict:
     """Run the shapes of the launch world, then of smaller worlds carved out of it."""
     import torch.distributed as dist
 
-    from datetime import timedelta
+    from tknp_megatron.launch import _rendezvous, init_distributed
 
     out = {world: _run_shapes(world, shapes_by_world[world])}
     smaller = sorted((s for s in shapes_by_world if s < world), reverse=True)
     # each later world's rendezvous: a store its leader binds now (the OS picks the port),
     # its port sent to every rank before the launch world goes
-    timeout = timedelta(seconds=TIMEOUT_S)
-    stores = [dist.TCPStore("127.0.0.1", 0, None, True, timeout=timeout, wait_for_workers=False)
-              if rank % size == 0 else None for size in smaller]
+    stores = [_rendezvous(TIMEOUT_S) if rank % size == 0 else None for size in smaller]
     ports = [None] * world
     dist.all_gather_object(ports, [store.port if store else None for store in stores])
     dist.destroy_process_group()
     for i, size in enumerate(smaller):
         leader = rank - rank % size
-        store = stores[i] or dist.TCPStore("127.0.0.1", ports[leader][i], None, False, timeout=timeout)
-        dist.init_process_group("gloo", store=store, rank=rank % size, world_size=size, timeout=timeout)
+        init_distributed("gloo", rank % size, size, TIMEOUT_S, store_port=ports[leader][i])
         out[size] = _run_shapes(size, shapes_by_world[size])
         dist.destroy_process_group()
     return out

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["AttentionMetadata", "AttentionBackend", "check_attention_inputs"]
+__all__ = ["AttentionMetadata", "AttentionBackend", "check_attention_inputs", "check_flash_inputs"]
 
 
 # eq=False: the fields are tensors, so a generated __eq__ would be ambiguous.
@@ -121,6 +121,16 @@ def check_attention_inputs(
         raise ValueError(f"dtype mismatch: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
     if meta.block_table.device != q.device or meta.seq_lens.device != q.device:
         raise ValueError("metadata tensors must be on q's device")
+
+
+def check_flash_inputs(backend: str, q: torch.Tensor) -> None:
+    """What FlashAttention's kernels (``fa3``, ``fa4``) take: fp16/bf16 and a head dim that
+    is a multiple of 8 and at most 256; raises ``ValueError`` naming ``backend``."""
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"{backend} backend needs fp16/bf16 inputs, got {q.dtype}; use the 'triton' backend")
+    if q.shape[-1] % 8 or q.shape[-1] > 256:
+        raise ValueError(f"{backend} backend needs a head dim that is a multiple of 8 and at most 256, "
+                         f"got {q.shape[-1]}")
 
 
 class AttentionBackend(abc.ABC):

@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from tknp_megatron.attention.base import AttentionBackend, AttentionMetadata
+from tknp_megatron.attention.base import AttentionBackend, AttentionMetadata, check_flash_inputs
 from tknp_megatron.attention.registry import register_backend
 
 __all__ = ["FlashAttn3Backend", "fa3_available", "fa3_library_path", "fa3_supports_device",
@@ -129,11 +129,7 @@ class FlashAttn3Backend(AttentionBackend):
 
     def _forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale):
         """``q [rows, Hq, d]``, caches ``[num_blocks, block_size, Hkv, d]`` -> ``[rows, Hq, d]``."""
-        if q.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"fa3 backend needs fp16/bf16 inputs, got {q.dtype}; use the 'triton' backend")
-        if q.shape[-1] % 8 or q.shape[-1] > 256:
-            raise ValueError(f"fa3 backend needs a head dim that is a multiple of 8 and at most 256, "
-                             f"got {q.shape[-1]}")
+        check_flash_inputs("fa3", q)
         out = self._fwd(
             q=q, k=k_cache, v=v_cache, out=None,
             cu_seqlens_q=meta.query_start_loc, seqused_k=meta.seq_lens,

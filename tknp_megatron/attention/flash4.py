@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 import torch
 
-from tknp_megatron.attention.base import AttentionBackend, AttentionMetadata
+from tknp_megatron.attention.base import AttentionBackend, AttentionMetadata, check_flash_inputs
 from tknp_megatron.attention.registry import register_backend
 
 __all__ = ["FlashAttn4Backend", "fa4_importable", "fa4_supports_device"]
@@ -84,11 +84,7 @@ class FlashAttn4Backend(AttentionBackend):
 
     def _forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale):
         """``q [rows, Hq, d]``, caches ``[num_blocks, block_size, Hkv, d]`` -> ``[rows, Hq, d]``."""
-        if q.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"fa4 backend needs fp16/bf16 inputs, got {q.dtype}; use the 'triton' backend")
-        if q.shape[-1] % 8 or q.shape[-1] > 256:
-            raise ValueError(f"fa4 backend needs a head dim that is a multiple of 8 and at most 256, "
-                             f"got {q.shape[-1]}")
+        check_flash_inputs("fa4", q)
         out = self._varlen(
             q, k_cache, v_cache,
             cu_seqlens_q=meta.query_start_loc, max_seqlen_q=max(meta.max_query_len, 1),
