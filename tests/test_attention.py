@@ -14,6 +14,7 @@ from tknp_megatron.attention import (
     AttentionBackend,
     AttentionMetadata,
     available_backends,
+    default_backend_name,
     get_backend,
     register_backend,
 )
@@ -265,4 +266,41 @@ def test_library_backend_matches_torch_reference(name, block_size, mixed):
                            block_size=block_size, dtype=torch.bfloat16, device="cuda", poison=False)
     out = get_backend(name, "cuda")(*case.args())
     ref = get_backend("torch", "cuda")(*case.args())
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not _usable_on_cuda("fa3"), reason="vLLM's FA3 library and a Hopper GPU are optional; CI has neither")
+@pytest.mark.parametrize("head_dim,seq_lens,query_lens,expect", [
+    (192, [300, 1200], [1, 1], "fa3"),
+    (128, [300, 1200], [1, 1], "triton"),
+    (128, [300, 40000], [1, 1], "fa3"),
+    (192, [300, 1200], [3, 1], "triton"),
+])
+def test_auto_backend_on_hopper_picks_by_shape(head_dim, seq_lens, query_lens, expect):
+    """Where FA3 is there, the default backend runs it for the shapes it was measured faster
+    at and the Triton kernel elsewhere, matching the reference either way."""
+    assert default_backend_name("cuda") == "auto"
+    case = make_paged_case(query_lens, seq_lens, num_heads=8, num_kv_heads=2, head_dim=head_dim, block_size=16,
+                           dtype=torch.bfloat16, device="cuda", poison=False)
+    auto = get_backend(None, "cuda")
+    assert auto.choose(case.q, case.k_cache, case.meta).name == expect
+    out = auto(*case.args())
+    ref = get_backend("torch", "cuda")(*case.args())
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not _usable_on_cuda("fa3"), reason="vLLM's FA3 library and a Hopper GPU are optional; CI has neither")
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_fa3_ignores_unowned_slots_at_the_pages_auto_gives_it(block_size):
+    """The default backend gives FA3 pages of up to ``FA3_MAX_PAGE`` tokens because there it
+    does not read the slots past a request's length: NaN left in them (by an earlier owner
+    of the page) must not reach the output. At 128-token pages and more it does."""
+    from tknp_megatron.attention.per_shape import FA3_MAX_PAGE
+
+    assert block_size <= FA3_MAX_PAGE
+    case = make_paged_case([64, 3], [64, 1000], num_heads=16, num_kv_heads=2, head_dim=128, block_size=block_size,
+                           dtype=torch.bfloat16, device="cuda", seed=5)  # poison=True: NaN in every unowned slot
+    out = get_backend("fa3", "cuda")(*case.args())
+    ref = get_backend("torch", "cuda")(*case.args())
+    assert torch.isfinite(out.float()).all()
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)

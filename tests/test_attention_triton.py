@@ -270,3 +270,45 @@ def test_query_view_of_fused_qkv():
     args = (q, case.k_cache, case.v_cache, case.meta, case.scale)
     out = get_backend("triton", "cpu", num_splits=2, block_n=16)(*args)
     torch.testing.assert_close(out, get_backend("torch")(*args), atol=1e-4, rtol=1e-4)
+
+
+def test_auto_rule_takes_fa3_only_where_it_was_measured_faster():
+    """The per-shape rule of the default backend: FA3 for decode at head dim 192, and at 128
+    from a 32K context bound; Triton below that, for query chunks, at pages of 128+ (FA3
+    reads past a request's length there), in fp32 and at head dims FA3 does not take."""
+    from tknp_megatron.attention.per_shape import prefer_fa3
+
+    bf16 = torch.bfloat16
+    assert prefer_fa3(bf16, 192, 16, 1, 4096)
+    assert prefer_fa3(torch.float16, 192, 64, 1, 1024)
+    assert prefer_fa3(bf16, 128, 16, 1, 32768) and prefer_fa3(bf16, 128, 16, 1, 131072)
+    assert not prefer_fa3(bf16, 128, 16, 1, 32767)
+    assert not prefer_fa3(bf16, 192, 128, 1, 4096)  # pages of 128 tokens
+    assert not prefer_fa3(bf16, 192, 16, 2, 4096)  # a query chunk
+    assert not prefer_fa3(torch.float32, 192, 16, 1, 4096)
+    assert not prefer_fa3(bf16, 100, 16, 1, 65536) and not prefer_fa3(bf16, 264, 16, 1, 65536)
+
+
+def test_auto_says_what_it_runs_here():
+    """Logs and bench rows name the kernels ``auto`` has on a device, and why not FA3."""
+    from tknp_megatron.attention.per_shape import auto_kernels
+
+    assert auto_kernels(torch.device("cpu")) == "triton (fa3: needs a CUDA device of compute capability 9.x)"
+
+
+@pytest.mark.parametrize("head_dim,mixed", [(192, False), (32, True)])
+def test_auto_backend_runs_triton_where_fa3_is_not_there(head_dim, mixed):
+    """Without FA3 (no library, no Hopper GPU: here) the default CUDA backend is the Triton
+    kernel for every call, also where the rule would take FA3 (decode at head dim 192):
+    the same output, bit for bit."""
+    from tknp_megatron.attention.per_shape import PerShapeBackend
+
+    case = make_paged_case([2, 1] if mixed else [1, 1], [40, 70], num_heads=4, num_kv_heads=2, head_dim=head_dim,
+                           block_size=16, dtype=torch.bfloat16, device="cpu", seed=3)
+    auto = get_backend("auto", "cpu", num_splits=2, block_n=16)
+    assert isinstance(auto, PerShapeBackend)
+    assert auto.choose(case.q, case.k_cache, case.meta) is auto.triton
+    out = auto(*case.args())
+    assert torch.equal(out, get_backend("triton", "cpu", num_splits=2, block_n=16)(*case.args()))
+    ref = get_backend("torch")(*case.args())
+    torch.testing.assert_close(out.float(), ref.float(), **_tol(torch.bfloat16))

@@ -28,6 +28,10 @@ def test_all_modes_one_invocation(tmp_path):
         assert r["completion_throughput_tok_s"] > 0
         # every rank of every mode records its host work, PP's per microbatch tick too
         assert r["host_ms_p50_per_step"] and all(h > 0 for h in r["host_ms_p50_per_step"]), r["mode"]
+        # the attention each row ran: the CPU default, and DCP's shards' own kernels
+        dcp = ("torch", "triton decode, torch for prompts")  # the latter under TRITON_INTERPRET=1
+        assert r["attention"] in dcp if r["mode"] == "DCP" else r["attention"] == "torch", r
+    assert "attention: torch; DCP's shards: " in proc.stdout
     for name in ("results.csv", "throughput_vs_batch.png", "latency_ctx24.png", "slo_vs_rate.png"):
         assert (out / name).stat().st_size > 100
     # a run cut short keeps its finished rows; --report-only rebuilds the report from them

@@ -8,6 +8,13 @@
 #   PART=serving    the engine with each backend, DP on the one GPU (12 of Llama-3.1-70B's
 #                   layers, 8K, B = 16 / 64 / 128, 128 output tokens, CUDA graphs): vLLM's TP1
 #                   layout of benchmarks/RESULTS.md, "vLLM as a peer again"
+#   PART=pages      the MQA gap against SDPA by page size: both kernels (and auto) at 16-, 32- and
+#                   64-token pages, 1 and 8 KV heads, B = 32 / 128 / 256, 32K and 128K
+#   PART=serving-32k the default backend (auto: fa3 from a 32K bound at head dim 128) against
+#                   triton, DP on the one GPU, 12 of Llama-3.1-70B's layers, 32K, B = 16 / 32
+#   PART=serving-192 triton, fa3 and auto at head dim 192: DP on the one GPU, 2 of Nemotron-4-340B's layers
+#                   (96 query / 8 KV heads), 3968-token prompts (with 128 output tokens, the
+#                   model's 4096-token limit), B = 128 / 256
 # Set up by the caller: megatron-core on PYTHONPATH and the library at
 # $FA3_SITE/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so (vLLM 0.26.0's wheel, the one of
 # vllm_wheels.txt, holds it). The parcel is that one file, 36 MB zipped, made here with
@@ -16,7 +23,8 @@
 #     zipfile.ZipFile('.whl_fa3/fa3.zip', 'w', zipfile.ZIP_DEFLATED).write('x/' + n, n)"
 # and opened there with
 #   python3 -m zipfile -e .whl_fa3/fa3.zip /tmp/fa3   # FA3_SITE defaults to /tmp/fa3
-# Usage: OUT=dir [PART="attention serving"] [BATCH=...] [CTX=...] [TP="1 2 8"] bash $0
+# BACKENDS overrides a serving part's backends (each part's own list by default).
+# Usage: OUT=dir [PART="attention pages serving serving-32k serving-192"] [MODELS="llama nemotron"] [BACKENDS=...] [BATCH=...] [CTX=...] [TP="1 2 8"] bash $0
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 FA3_SITE=${FA3_SITE:-/tmp/fa3}
@@ -29,8 +37,8 @@ print('backends on cuda:', a.available_backends('cuda'))" 2>&1 | tail -n 3
 for part in ${PART:-attention serving}; do
   case $part in
     attention)
-      for group in "llama3.1-70b llama3.1-405b" "nemotron4-340b"; do
-        tag=$(echo "$group" | cut -d' ' -f1)
+      for tag in ${MODELS:-llama nemotron}; do
+        case $tag in llama) group="llama3.1-70b llama3.1-405b" ;; *) group="nemotron4-340b" ;; esac
         timeout -k 5 ${PART_TIMEOUT:-280} python -m tknp_megatron.tools.bench_attention --models $group \
           --tp ${TP:-1 2 8} --batch ${BATCH:-1 8 32 128 256} --ctx ${CTX:-1024 4096 32768 131072} --configs auto \
           --reps 20 --max-kv-gib 24 --out "$OUT/fa3_attention_$tag.json" > "$OUT/fa3_attention_$tag.txt" 2>&1
@@ -39,13 +47,38 @@ for part in ${PART:-attention serving}; do
         tail -n 100 "$OUT/fa3_attention_$tag.txt" | grep -v "^{" | tail -n 60
       done ;;
     serving)
-      for backend in triton fa3; do
+      for backend in ${BACKENDS:-triton fa3}; do
         rm -rf "$OUT/serving_$backend"
         timeout -k 5 ${SERVING_TIMEOUT:-240} torchrun --nproc-per-node 1 -m tknp_megatron.tools.bench_serving \
           --device cuda --cuda-graphs --modes dp --model llama3.1-70b --layers 12 --contexts 8192 \
           --batches ${SERVING_BATCH:-16 64 128} --output-len 128 --attention-backend $backend \
-          --out "$OUT/serving_$backend" 2>&1 | grep -v Warning | tail -n 8
+          --out "$OUT/serving_$backend" 2>&1 | grep -v Warning | tail -n 9
         rm -f "$OUT/serving_$backend"/*.png
+      done ;;
+    pages)
+      for bs in 16 32 64; do
+        timeout -k 5 ${PART_TIMEOUT:-150} python -m tknp_megatron.tools.bench_attention \
+          --heads 8:1:128 16:1:128 64:8:128 12:1:192 --batch 32 128 256 --ctx 32768 131072 --configs auto \
+          --reps 20 --max-kv-gib 24 --block-size $bs --out "$OUT/pages_$bs.json" > "$OUT/pages_$bs.txt" 2>&1
+        echo "block $bs: exit $?"; grep "^small cases:" "$OUT/pages_$bs.txt" | tail -n 1
+      done ;;
+    serving-32k)
+      for backend in ${BACKENDS:-triton auto}; do
+        rm -rf "$OUT/serving32k_$backend"
+        timeout -k 5 ${SERVING_TIMEOUT:-240} torchrun --nproc-per-node 1 -m tknp_megatron.tools.bench_serving \
+          --device cuda --cuda-graphs --modes dp --model llama3.1-70b --layers 12 --contexts 32768 \
+          --batches ${SERVING_BATCH:-16 32} --output-len 128 --attention-backend $backend \
+          --out "$OUT/serving32k_$backend" 2>&1 | grep -v Warning | tail -n 9
+        rm -f "$OUT/serving32k_$backend"/*.png
+      done ;;
+    serving-192)
+      for backend in ${BACKENDS:-triton fa3 auto}; do
+        rm -rf "$OUT/serving192_$backend"
+        timeout -k 5 ${SERVING_TIMEOUT:-240} torchrun --nproc-per-node 1 -m tknp_megatron.tools.bench_serving \
+          --device cuda --cuda-graphs --modes dp --model nemotron4-340b --layers 2 --contexts 3968 \
+          --batches ${SERVING_BATCH:-128 256} --output-len 128 --attention-backend $backend \
+          --out "$OUT/serving192_$backend" 2>&1 | grep -v Warning | grep -v "^\[" | tail -n 8
+        rm -f "$OUT/serving192_$backend"/*.png
       done ;;
     *) echo "unknown part $part" ;;
   esac

@@ -20,6 +20,12 @@ the query rows as varlen ``cu_seqlens_q`` (this build runs varlen only), the cac
 as ``seqused_k``, the block table as ``page_table``, causal; ``num_splits=0`` is FA3's own
 split-K count per shape, taken from the host ints of the call (the batch, the heads and
 ``max_seqlen_k``), so a CUDA graph replays the count it was captured with.
+
+At pages of 128 tokens or more FA3 loads a request's last page whole and weighs the slots
+past its length by zero, so a NaN left there (by an earlier owner of the page) makes this
+request's rows NaN; at 16- and 64-token pages it does not (measured on an H200). The
+engine's cache starts zeroed; the ``auto`` backend (``per_shape.py``) takes FA3 only at
+pages of up to 64 tokens.
 """
 
 from __future__ import annotations

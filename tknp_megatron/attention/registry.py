@@ -63,10 +63,11 @@ def available_backends(device: DeviceLike = None) -> List[str]:
 
 
 def default_backend_name(device: DeviceLike = None) -> str:
-    """``"triton"`` on CUDA when usable there, else ``"torch"``."""
+    """``"auto"`` (the faster of FA3 and the Triton kernel per call, Triton where FA3 is
+    not there) on CUDA when usable there, else ``"torch"``."""
     dev = _device(device)
-    if dev.type == "cuda" and "triton" in _REGISTRY and _usable(_REGISTRY["triton"], dev):
-        return "triton"
+    if dev.type == "cuda" and "auto" in _REGISTRY and _usable(_REGISTRY["auto"], dev):
+        return "auto"
     return "torch"
 
 

@@ -226,13 +226,18 @@ def worker(rank, world, args):
                           max_prefill_tokens=1 << 30,
                           fused_elementwise=False if args.no_fused_elementwise else None,
                           fused_rope=not args.no_fused_rope, attention_backend=args.attention_backend)
+    attention = attention_description(args.attention_backend, device)
+    dcp_attention = dcp_attention_description(device)
+    if rank == 0:
+        print(f"attention: {attention}; DCP's shards: {dcp_attention}", flush=True)
     rows = []
     for ctx, batch, rate, trace in traces(args):
         for label, mode, preset in planned_runs(args, (ctx, batch, rate)):
             run = run_mode(Mode(mode), preset, trace, config, args.tp,
                            dtype_from_name(args.dtype), device, args.seed, dense_format(args))
             if rank == 0:
-                rows.append(_row(label, ctx, batch, rate, run, _roofline(mode, preset, trace, world, args)))
+                rows.append(_row(label, ctx, batch, rate, run, _roofline(mode, preset, trace, world, args),
+                                 dcp_attention if Mode(mode) is Mode.DCP else attention))
                 _save_partial(rows[-1], Path(args.out))
                 m = run.metrics
                 print(f"[{len(rows)}] {label:>8} ctx={ctx} batch={batch} rate={rate}: "
@@ -260,14 +265,31 @@ def _roofline(mode, preset, trace, world, args):
     return lambda batch: predicted_step_s(mode, preset, world, args.tp, batch, context)
 
 
-def _row(label, ctx, batch, rate, run, predict) -> dict:
+def attention_description(name, device) -> str:
+    """The owners' attention backend as the rows record it: its name and, for ``auto``,
+    the kernels it has here (DCP's shards run their own)."""
+    from tknp_megatron.attention import default_backend_name
+    from tknp_megatron.attention.per_shape import auto_kernels
+
+    name = name or default_backend_name(device)
+    return f"auto: {auto_kernels(device)}" if name == "auto" else name
+
+
+def dcp_attention_description(device) -> str:
+    """DCP's shards' partial attention (``baselines/dcp_attention.py``), as rows record it."""
+    from tknp_megatron.baselines.dcp_attention import triton_decode_usable
+
+    return "triton decode, torch for prompts" if triton_decode_usable(device) else "torch"
+
+
+def _row(label, ctx, batch, rate, run, predict, attention) -> dict:
     m = run.metrics
     predicted = None
     if predict is not None and run.resident_batch_mean:
         predicted = predict(run.resident_batch_mean)
     md = m.as_dict()  # NaN (nothing measured) as None: the rows are strict JSON
     itl_p50 = md["itl_s_p50"]
-    return dict(mode=label.upper(), context=ctx, offered_batch=batch, arrival_rate=rate,
+    return dict(mode=label.upper(), context=ctx, offered_batch=batch, arrival_rate=rate, attention=attention,
                 **{k: md[k] for k in ("completion_throughput_tok_s", "queue_wait_s_mean", "itl_s_p95",
                                       "completion_time_s_mean", "slo_attainment", "waves",
                                       "completed", "rejected")},
