@@ -79,6 +79,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="KV budget per node in tokens (CPU default: 4 x max_sequence_length; "
                         "GPU: sized from free memory)")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-sequence-length", type=int, default=None, metavar="TOKENS",
+                   help="the longest request served, prompt + output tokens (default: the model's "
+                        "max_sequence_length); also Megatron's default output length")
     p.add_argument("--max-requests-per-node", type=int, default=256)
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--cuda-graphs", action="store_true",
@@ -144,6 +147,10 @@ def prepare(args) -> ServeJob:
     if args.idle_tick > 0 and args.timeout > 0 and args.idle_tick * 4 > args.timeout:
         problems.append(f"--idle-tick {args.idle_tick}: must be well inside --timeout "
                         f"{args.timeout} (at most a quarter of it)")
+    limit = args.max_sequence_length
+    if limit is not None and not 1 <= limit <= preset.gpt.max_sequence_length:
+        problems.append(f"--max-sequence-length {limit}: must be in [1, {preset.gpt.max_sequence_length}] "
+                        f"(the model's max_sequence_length)")
     kv = args.kv_tokens_per_node
     if kv is not None and kv < args.block_size:
         problems.append(f"--kv-tokens-per-node {kv}: must hold at least one block "
@@ -152,7 +159,7 @@ def prepare(args) -> ServeJob:
         raise JobError("; ".join(problems))
     load_tokenizer(args, preset)  # checked here; every process loads its own
     if kv is None and args.device == "cpu":
-        kv = 4 * preset.gpt.max_sequence_length
+        kv = 4 * (limit or preset.gpt.max_sequence_length)
     return ServeJob(args, source, kv)
 
 
@@ -189,6 +196,7 @@ def serve_rank(rank: int, world: int, job: ServeJob) -> None:
         max_requests_per_node=args.max_requests_per_node,
         attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs,
         capture_at_start=not args.lazy_graph_capture, freeze_gc=not args.no_gc_freeze,
+        max_sequence_length=args.max_sequence_length,
     )
     engine = build_engine(Mode.TKNP, preset, groups, config, device, dtype_from_name(args.dtype),
                           weights=source.checkpoint or args.seed, padded_vocab=source.padded_vocab,
@@ -213,10 +221,11 @@ def serve_rank(rank: int, world: int, job: ServeJob) -> None:
                 ready = dict(url=url, coordinator=frontend.address, pools=args.pools,
                              nodes=args.nodes, tp=args.tp, model=preset.name, rank_pids=pids,
                              kv_tokens_per_node=engine.kv_capacity_tokens,
+                             max_sequence_length=config.sequence_limit(preset),
                              frontend_pids=frontend.http_pids)
                 print(f"{PROG}: ready {json.dumps(ready)}", flush=True)
             step_log = args.step_log and (f"{args.step_log}.{groups.pool}" if args.pools > 1 else args.step_log)
-            server = PoolServer(engine, link, tokenizer, preset.gpt.max_sequence_length,
+            server = PoolServer(engine, link, tokenizer, config.sequence_limit(preset),
                                 args.idle_tick, stop.is_set, step_log)
             try:
                 summary = server.run()

@@ -74,6 +74,17 @@ def test_traces_over_the_models_length_are_refused_in_one_line(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--model", "no-such-model", "--contexts", "64", "--batches", "2"])
     assert "unknown model preset 'no-such-model'" in capsys.readouterr().err
+    # a limit below the model's (EngineConfig.max_sequence_length) is the one traces are held to
+    base = ["--model", "tiny", "--batches", "4", "--output-len", "100"]
+    assert parse_args(base + ["--contexts", "400", "--max-sequence-length", "500"]).max_sequence_length == 500
+    for extra, message in ((["--contexts", "401", "--max-sequence-length", "500"],
+                            "--contexts 401 with --output-len 100: requests of 501 tokens, over "
+                            "--max-sequence-length 500"),
+                           (["--contexts", "64", "--max-sequence-length", "2048"],
+                            "--max-sequence-length 2048: must be in [1, 1024] (tiny's max_sequence_length)")):
+        with pytest.raises(SystemExit):
+            parse_args(base + extra)
+        assert message in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 def test_a_memory_regime_given_as_dps_kv_over_weights(capsys):

@@ -170,3 +170,40 @@ def test_engine_freezes_its_heap_and_the_teardown_collects_it():
     assert frozen["frozen_built"] > 10_000 and plain["frozen_built"] == 0
     assert frozen["frozen_after"] == 0 and frozen["executor_collected"] and plain["executor_collected"]
     assert frozen["tokens"] == plain["tokens"] and all(len(t) == 3 for t in frozen["tokens"])
+
+
+def sequence_limit_worker(rank: int, world: int, limit) -> dict:
+    """A tiny TKNP engine (graphs on the CPU's bucketed path) with ``max_sequence_length =
+    limit``: its block-table width, its graphs' attention bound, and how three requests end."""
+    import parallel_state as ps
+    from tknp_megatron.config import get_preset
+    from tknp_megatron.sampling import SamplingParams
+
+    groups = ps.initialize_model_parallel(tensor_model_parallel_size=1, token_parallel_size=1)
+    try:
+        config = EngineConfig(kv_tokens_per_node=256, cuda_graphs=True, max_sequence_length=limit)
+        engine = build_engine(Mode.TKNP, get_preset("tiny"), groups, config, torch.device("cpu"), torch.float32)
+        results = engine.generate([[1, 2, 3], [7] * 38, [4, 5]], SamplingParams(max_new_tokens=3))
+        return dict(width=engine.executor.kv.spec.max_blocks_per_seq, bound=engine.executor.graphs.max_seq_len,
+                    tokens=[list(r.tokens) for r in results], reasons=[r.reject_reason for r in results])
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_a_sequence_limit_below_the_models():
+    """EngineConfig.max_sequence_length (vLLM's max_model_len): a longer request is refused
+    naming the limit, the others get the tokens they get without it, and the block table
+    and the graphs' attention bound are sized for the limit, not the model's 1024."""
+    from tknp_megatron.config import get_preset
+    from tknp_megatron.launch import spawn
+
+    capped = spawn(sequence_limit_worker, 1, (40,), timeout_s=180)[0]
+    full = spawn(sequence_limit_worker, 1, (None,), timeout_s=180)[0]
+    assert (capped["width"], capped["bound"]) == (3, 48) and (full["width"], full["bound"]) == (64, 1024)
+    assert capped["reasons"][1] == "request 1: prompt 38 + max_new_tokens 3 = 41 tokens exceeds max_sequence_length 40"
+    assert capped["reasons"][0] is None and capped["reasons"][2] is None and full["reasons"] == [None] * 3
+    assert capped["tokens"][0::2] == full["tokens"][0::2] and all(len(t) == 3 for t in full["tokens"])
+    with pytest.raises(ValueError, match=r"^max_sequence_length 2048: over the model's max_sequence_length 1024 \(tiny\)$"):
+        EngineConfig(max_sequence_length=2048).sequence_limit(get_preset("tiny"))
+    with pytest.raises(ValueError, match="max_sequence_length 0: must be at least 1"):
+        EngineConfig(max_sequence_length=0)

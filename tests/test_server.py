@@ -372,7 +372,9 @@ def test_megatrons_stop_ends_the_server_in_order():
     (["--kv-tokens-per-node", "8"], "--kv-tokens-per-node 8: must hold at least one block"),
     (["--layers", "0"], "--layers 0: must be at least 1"),
     (["--frontend-replicas", "0"], "--frontend-replicas 0: must be at least 1"),
-], ids=["pools", "tp", "nodes", "port", "idle_tick", "idle_tick_timeout", "kv", "layers", "frontend_replicas"])
+    (["--max-sequence-length", "2048"], "--max-sequence-length 2048: must be in [1, 1024]"),
+], ids=["pools", "tp", "nodes", "port", "idle_tick", "idle_tick_timeout", "kv", "layers", "frontend_replicas",
+        "max_sequence_length"])
 def test_bad_flags_are_one_line_before_any_process(argv, message, capsys):
     from tests.helpers import load_job_module
 

@@ -59,18 +59,23 @@ def traces(args) -> Iterator[Tuple[int, int, Optional[float], wl.Workload]]:
 
 def trace_problems(args) -> List[str]:
     """One line per trace whose longest request (prompt + output tokens) is over the model's
-    ``max_sequence_length`` (every such request would be refused: none would be served)."""
+    ``max_sequence_length``, or over ``args.max_sequence_length`` where the caller has that
+    flag (every such request would be refused: none would be served)."""
     try:
-        limit = get_preset(args.model).gpt.max_sequence_length
+        model_limit = get_preset(args.model).gpt.max_sequence_length
     except ValueError as err:  # an unknown preset, named with the known ones
         return [f"--model: {err}"]
+    cap = getattr(args, "max_sequence_length", None)
+    if cap is not None and not 1 <= cap <= model_limit:
+        return [f"--max-sequence-length {cap}: must be in [1, {model_limit}] ({args.model}'s max_sequence_length)"]
+    limit, what = (model_limit, f"{args.model}'s max_sequence_length") if cap is None else \
+        (cap, "--max-sequence-length")
     out = []
     for ctx, _, _, trace in traces(args):
         longest = max((r.prompt_len + r.output_len for r in trace.requests), default=0)
         if longest > limit:
             name = f"--contexts {ctx} with --output-len {args.output_len}" if ctx else "the mixed-length trace"
-            out.append(f"{name}: requests of {longest} tokens, over {args.model}'s max_sequence_length "
-                       f"{limit}")
+            out.append(f"{name}: requests of {longest} tokens, over {what} {limit}")
     return list(dict.fromkeys(out))  # one line per context, whatever its batches
 
 

@@ -119,7 +119,7 @@ def dcp_kv_cache_spec(preset, model_config, dcp: DCPGroups, engine_config, devic
         num_layers=preset.num_layers, num_blocks=1, block_size=block_size // dcp.degree,
         local_kv_heads=1, head_dim=preset.kv_channels, dtype=model_config.params_dtype,
         max_slots=engine_config.max_requests_per_node,
-        max_blocks_per_seq=math.ceil(preset.gpt.max_sequence_length / block_size),
+        max_blocks_per_seq=math.ceil(engine_config.sequence_limit(preset) / block_size),
     )
     blocks = budget_blocks(probe.bytes_per_block, engine_config, device)
     if blocks < 1:

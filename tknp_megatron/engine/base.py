@@ -201,7 +201,8 @@ class InferenceEngine(abc.ABC):
 
     def _problem(self, req: Request) -> Optional[str]:
         """Why ``req`` can never be served, or None (baselines add their own limits)."""
-        return request_problem(req, self.preset, self.scheduler.max_fit_tokens())
+        return request_problem(req, self.preset, self.scheduler.max_fit_tokens(),
+                               self.config.sequence_limit(self.preset))
 
     def has_unfinished_requests(self) -> bool:
         """Requests waiting or running (arrivals still to come and a step whose tokens are

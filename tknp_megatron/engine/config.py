@@ -53,6 +53,12 @@ class EngineConfig:
             equal to Megatron's rotation and cache write bit for bit in the CPU tests, and
             3-5 % off a one-GPU decode step on an H200: ``benchmarks/RESULTS.md``). False
             keeps Megatron's rotation beside the other fused kernels.
+        max_sequence_length: the longest request (prompt + max_new_tokens) served; None is
+            the model's ``max_sequence_length``. A smaller limit (vLLM's ``max_model_len``)
+            refuses longer requests, sizes each request's block table, and bounds the
+            attention launches captured in CUDA graphs, which are sized for the longest
+            sequence: the ``auto`` attention backend chooses its kernel by that bound
+            (``attention/per_shape.py``).
     """
 
     block_size: int = 16
@@ -70,10 +76,24 @@ class EngineConfig:
     microbatches: int = 1
     fused_elementwise: Optional[bool] = None
     fused_rope: bool = True
+    max_sequence_length: Optional[int] = None
 
     def __post_init__(self):
         if self.microbatches not in (1, 2):
             raise ValueError(f"microbatches must be 1 or 2 (dual active roots), got {self.microbatches}")
+        if self.max_sequence_length is not None and self.max_sequence_length < 1:
+            raise ValueError(f"max_sequence_length {self.max_sequence_length}: must be at least 1")
+
+    def sequence_limit(self, preset) -> int:
+        """The longest request served with ``preset``'s model (``max_sequence_length``);
+        ``ValueError`` in one line if this config's limit is over the model's."""
+        model = preset.gpt.max_sequence_length
+        if self.max_sequence_length is None:
+            return model
+        if self.max_sequence_length > model:
+            raise ValueError(f"max_sequence_length {self.max_sequence_length}: over the model's "
+                             f"max_sequence_length {model} ({preset.name})")
+        return self.max_sequence_length
 
 
 @dataclass(frozen=True)

@@ -20,13 +20,16 @@ from tknp_megatron.sampling import SamplingParams
 __all__ = ["Arrival", "ArrivalQueue", "request_problem"]
 
 
-def request_problem(req: Request, preset: ModelPreset, max_fit_tokens: int) -> Optional[str]:
+def request_problem(req: Request, preset: ModelPreset, max_fit_tokens: int,
+                    max_len: Optional[int] = None) -> Optional[str]:
     """Why ``req`` can never be served (naming the request and the limit), or None.
 
-    ``max_fit_tokens`` is the largest reservation any owner can ever hold.
+    ``max_fit_tokens`` is the largest reservation any owner can ever hold; ``max_len`` the
+    longest request served (default: the model's ``max_sequence_length``).
     """
     rid, prompt, p = req.request_id, req.prompt, req.params
-    vocab, max_len = preset.vocab_size, preset.gpt.max_sequence_length
+    vocab = preset.vocab_size
+    max_len = preset.gpt.max_sequence_length if max_len is None else max_len
     if not prompt:
         return f"request {rid}: empty prompt"
     ids = torch.as_tensor(prompt, dtype=torch.int64)

@@ -65,7 +65,7 @@ def kv_cache_spec(
         head_dim=preset.kv_channels,
         dtype=model_config.params_dtype,
         max_slots=engine_config.max_requests_per_node,
-        max_blocks_per_seq=math.ceil(preset.gpt.max_sequence_length / engine_config.block_size),
+        max_blocks_per_seq=math.ceil(engine_config.sequence_limit(preset) / engine_config.block_size),
     )
     blocks = budget_blocks(probe.bytes_per_block, engine_config, device)
     if blocks < 1:

@@ -60,7 +60,8 @@ class PoolServer:
             idle plan keeps the other ranks' waits short.
         link: connection to Megatron's coordinator.
         tokenizer: Megatron's tokenizer interface (text prompts, stop words, top-n text).
-        max_sequence_length: the model's limit (Megatron's default output length).
+        max_sequence_length: the longest request served (the engine's limit; Megatron's
+            default output length).
         idle_tick_s: longest wait without a collective when idle.
         should_stop: polled every loop turn; True stops the pool (e.g. after SIGTERM).
     """

@@ -52,6 +52,9 @@ def parse_args(argv=None):
     p.add_argument("--kv-tokens-per-node", type=int, default=None,
                    help="KV budget per node (CPU default: half the largest trace's reservations; "
                         "GPU default: free memory)")
+    p.add_argument("--max-sequence-length", type=int, default=None, metavar="TOKENS",
+                   help="the longest request every mode serves (EngineConfig.max_sequence_length; "
+                        "default: the model's): also the bound the CUDA graphs' attention is sized for")
     p.add_argument("--cuda-graphs", action="store_true")
     p.add_argument("--no-fused-elementwise", action="store_true",
                    help="on GPUs, run the element-wise work between the root's GEMMs on Megatron's "
@@ -225,7 +228,8 @@ def worker(rank, world, args):
                           gpu_memory_cap_gib=args.gpu_memory_gib, cuda_graphs=args.cuda_graphs,
                           max_prefill_tokens=1 << 30,
                           fused_elementwise=False if args.no_fused_elementwise else None,
-                          fused_rope=not args.no_fused_rope, attention_backend=args.attention_backend)
+                          fused_rope=not args.no_fused_rope, attention_backend=args.attention_backend,
+                          max_sequence_length=args.max_sequence_length)
     attention = attention_description(args.attention_backend, device)
     dcp_attention = dcp_attention_description(device)
     if rank == 0:
