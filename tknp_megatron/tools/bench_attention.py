@@ -190,7 +190,7 @@ def run_shape(env, args, batch, ctx, hq, hkv, head_dim):
         time_contiguous_kernels(env, case, qs, out, row)
     del case, qs, out
     time_copy(env, row)
-    for name in ("triton", *LIBRARIES, "sdpa", "copy"):
+    for name in ("triton", *env["libraries"], "sdpa", "copy"):
         if f"{name}_us" in row:
             row[f"{name}_TBps"] = row["kv_bytes"] / (row[f"{name}_us"] * 1e-6) / 1e12
     row["pct_of_copy"] = 100.0 * row["triton_TBps"] / row["copy_TBps"]
@@ -518,7 +518,7 @@ def main(argv=None) -> int:
           + "".join(f"; {c['case']} {c['status']}" for c in checks if c["ok"] is None))
     print(fmt_table(rows), flush=True)
     wrong = [r for r in rows if r.get("status") == "WRONG" or r.get("status", "").startswith("error")
-             or any(r.get(f"{n}_status") == "WRONG" for n in LIBRARIES)]
+             or any(r.get(f"{n}_status") == "WRONG" for n in env["libraries"])]
     return 0 if all(c["ok"] is not False for c in checks) and not wrong else 1
 
 
