@@ -11,6 +11,9 @@
 # its prefix cache, like ours) and decode_step_ms (both generate calls prefilling) against
 # bench_serving's step time; the table printed last puts them side by side.
 # vLLM's weights are its "dummy" (random) weights, ours the seeded ones: tokens are not compared.
+# vLLM's wheel on PYTHONPATH also holds FlashAttention 3, so our side's default attention (auto)
+# runs it where it was measured faster, as vLLM's own engine does (the rows say so); OURS_FLAGS
+# "--attention-backend triton" pins the Triton kernel.
 #
 # Set up by the caller: the wheels of benchmarks/scripts/vllm_wheels.txt (vllm 0.26.0 and what
 # its offline path imports, plus megatron-core 0.16.1) installed with `bash /root/stage/install.sh`

@@ -5,7 +5,11 @@
 # 56-layer / 93 GiB configuration would; output 256 tokens.
 # PARTS (space-separated, in order): step ctx32k ctx64k; MODES overrides the modes;
 # LIMIT32 / LIMIT64 the seconds each part may run (finished rows stay in partial.jsonl).
+# FA3_SITE: a folder holding vllm/vllm_flash_attn/_vllm_fa3_C*.so (h200_fa3.sh says how to carry
+# it); when set, the default attention backend (auto) runs FA3 where it was measured faster,
+# and bench_serving records each row's attention either way.
 set -u
+if [ -n "${FA3_SITE:-}" ]; then export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$FA3_SITE"; fi
 OUT=${OUT:-out}; mkdir -p "$OUT"
 TR="python -m torch.distributed.run --nproc-per-node 2"
 COMMON="--device cuda --model llama3.1-70b --layers 12 --gpu-memory-gib 34.6 --output-len 256 \

@@ -11,7 +11,11 @@
 #       Transformer Engine on PYTHONPATH), no cap: DP as two full FP8 replicas
 #   the 64K parts add the mixed-length trace under Poisson arrivals (as x2_headline.sh's ctx64k)
 # Usage: OUT=dir [PARTS="slice32k slice64k full32k full64k"] [MODES=...] [LIMIT=seconds per part] bash $0
+# FA3_SITE: a folder holding vllm/vllm_flash_attn/_vllm_fa3_C*.so (h200_fa3.sh says how to carry
+# it); when set, the default attention backend (auto) runs FA3 where it was measured faster,
+# and bench_serving records each row's attention either way.
 set -u
+if [ -n "${FA3_SITE:-}" ]; then export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$FA3_SITE"; fi
 OUT=${OUT:-out}; mkdir -p "$OUT"
 TR="python -m torch.distributed.run --nproc-per-node 2"
 MODES=${MODES:-tknp dp tp pp dcp}
