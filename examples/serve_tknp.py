@@ -51,6 +51,7 @@ from job_inputs import (  # noqa: E402
 )
 
 from tknp_megatron.config import dtype_from_name  # noqa: E402
+from tknp_megatron.engine.config import sequence_limit_problem  # noqa: E402
 from tknp_megatron.launch import init_distributed, supervise  # noqa: E402
 from tknp_megatron.models.source import (  # noqa: E402
     ModelSource,
@@ -148,9 +149,8 @@ def prepare(args) -> ServeJob:
         problems.append(f"--idle-tick {args.idle_tick}: must be well inside --timeout "
                         f"{args.timeout} (at most a quarter of it)")
     limit = args.max_sequence_length
-    if limit is not None and not 1 <= limit <= preset.gpt.max_sequence_length:
-        problems.append(f"--max-sequence-length {limit}: must be in [1, {preset.gpt.max_sequence_length}] "
-                        f"(the model's max_sequence_length)")
+    if limit is not None and sequence_limit_problem(limit, preset):
+        problems.append(f"--max-sequence-length {limit}: {sequence_limit_problem(limit, preset)}")
     kv = args.kv_tokens_per_node
     if kv is not None and kv < args.block_size:
         problems.append(f"--kv-tokens-per-node {kv}: must hold at least one block "

@@ -15,6 +15,7 @@ from typing import Iterator, List, Optional, Tuple
 
 from tknp_megatron.analysis import workload as wl
 from tknp_megatron.config import ModelPreset, get_preset
+from tknp_megatron.engine.config import sequence_limit_problem
 from tknp_megatron.mode import Mode
 
 __all__ = ["MODES", "EXTRA_MODES", "add_trace_flags", "mode_runs", "traces"]
@@ -62,13 +63,13 @@ def trace_problems(args) -> List[str]:
     ``max_sequence_length``, or over ``args.max_sequence_length`` where the caller has that
     flag (every such request would be refused: none would be served)."""
     try:
-        model_limit = get_preset(args.model).gpt.max_sequence_length
+        preset = get_preset(args.model)
     except ValueError as err:  # an unknown preset, named with the known ones
         return [f"--model: {err}"]
     cap = getattr(args, "max_sequence_length", None)
-    if cap is not None and not 1 <= cap <= model_limit:
-        return [f"--max-sequence-length {cap}: must be in [1, {model_limit}] ({args.model}'s max_sequence_length)"]
-    limit, what = (model_limit, f"{args.model}'s max_sequence_length") if cap is None else \
+    if cap is not None and sequence_limit_problem(cap, preset):
+        return [f"--max-sequence-length {cap}: {sequence_limit_problem(cap, preset)}"]
+    limit, what = (preset.gpt.max_sequence_length, f"{args.model}'s max_sequence_length") if cap is None else \
         (cap, "--max-sequence-length")
     out = []
     for ctx, _, _, trace in traces(args):

@@ -20,7 +20,8 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["AttentionMetadata", "AttentionBackend", "check_attention_inputs", "check_flash_inputs"]
+__all__ = ["AttentionMetadata", "AttentionBackend", "check_attention_inputs", "check_flash_inputs",
+           "flash_inputs_problem"]
 
 
 # eq=False: the fields are tensors, so a generated __eq__ would be ambiguous.
@@ -123,14 +124,22 @@ def check_attention_inputs(
         raise ValueError("metadata tensors must be on q's device")
 
 
+def flash_inputs_problem(backend: str, dtype: torch.dtype, head_dim: int) -> Optional[str]:
+    """Why FlashAttention's kernels (``fa3``, ``fa4``) cannot take inputs of ``dtype`` and
+    ``head_dim`` (they take fp16/bf16 and a head dim that is a multiple of 8 and at most
+    256), naming ``backend``; None if they can."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"{backend} backend needs fp16/bf16 inputs, got {dtype}; use the 'triton' backend"
+    if head_dim % 8 or head_dim > 256:
+        return f"{backend} backend needs a head dim that is a multiple of 8 and at most 256, got {head_dim}"
+    return None
+
+
 def check_flash_inputs(backend: str, q: torch.Tensor) -> None:
-    """What FlashAttention's kernels (``fa3``, ``fa4``) take: fp16/bf16 and a head dim that
-    is a multiple of 8 and at most 256; raises ``ValueError`` naming ``backend``."""
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"{backend} backend needs fp16/bf16 inputs, got {q.dtype}; use the 'triton' backend")
-    if q.shape[-1] % 8 or q.shape[-1] > 256:
-        raise ValueError(f"{backend} backend needs a head dim that is a multiple of 8 and at most 256, "
-                         f"got {q.shape[-1]}")
+    """:func:`flash_inputs_problem` for ``q [rows, Hq, d]`` as a ``ValueError``."""
+    problem = flash_inputs_problem(backend, q.dtype, q.shape[-1])
+    if problem is not None:
+        raise ValueError(problem)
 
 
 class AttentionBackend(abc.ABC):

@@ -41,7 +41,7 @@ from tknp_megatron.attention.base import AttentionBackend, AttentionMetadata, ch
 from tknp_megatron.attention.registry import register_backend
 
 __all__ = ["FlashAttn3Backend", "fa3_available", "fa3_library_path", "fa3_supports_device",
-           "fa3_unavailable_reason"]
+           "fa3_unavailable_reason", "fa3_usable"]
 
 OP_NAMESPACE = "_vllm_fa3_C"
 REQUIRED_ARGUMENTS = ("q", "k", "v", "out", "cu_seqlens_q", "seqused_k", "max_seqlen_q", "max_seqlen_k",
@@ -101,6 +101,11 @@ def fa3_supports_device(device: torch.device) -> bool:
     """CUDA devices of compute capability 9.x (FA3's kernels are Hopper's)."""
     return (device.type == "cuda" and torch.cuda.is_available()
             and torch.cuda.get_device_capability(device)[0] == 9)
+
+
+def fa3_usable(device: torch.device) -> bool:
+    """Whether FA3 runs on ``device`` in this process (loads the library once)."""
+    return fa3_supports_device(device) and fa3_available()
 
 
 class FlashAttn3Backend(AttentionBackend):

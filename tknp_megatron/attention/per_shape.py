@@ -37,12 +37,13 @@ from typing import Optional
 
 import torch
 
-from tknp_megatron.attention.base import AttentionBackend, AttentionMetadata
+from tknp_megatron.attention.base import AttentionBackend, AttentionMetadata, flash_inputs_problem
 from tknp_megatron.attention.flash3 import (
     FlashAttn3Backend,
     fa3_available,
     fa3_supports_device,
     fa3_unavailable_reason,
+    fa3_usable,
 )
 from tknp_megatron.attention.registry import register_backend
 from tknp_megatron.attention.triton_paged import TritonPagedBackend, triton_importable, triton_supports_device
@@ -58,9 +59,7 @@ FA3_MAX_PAGE = 64
 
 def prefer_fa3(dtype: torch.dtype, head_dim: int, block_size: int, max_query_len: int, max_seq_len: int) -> bool:
     """Whether FA3 is the faster correct kernel for a call of this shape (module docstring)."""
-    if dtype not in (torch.float16, torch.bfloat16) or head_dim % 8 or head_dim > 256:
-        return False
-    if block_size > FA3_MAX_PAGE or max_query_len > 1:
+    if flash_inputs_problem("fa3", dtype, head_dim) or block_size > FA3_MAX_PAGE or max_query_len > 1:
         return False
     return head_dim > 128 or max_seq_len >= FA3_MIN_CONTEXT_HEAD_DIM_128
 
@@ -68,7 +67,7 @@ def prefer_fa3(dtype: torch.dtype, head_dim: int, block_size: int, max_query_len
 def auto_kernels(device: torch.device) -> str:
     """What ``auto`` runs on ``device``, for logs and result rows: ``"fa3 + triton"``, or
     ``"triton (fa3: why not)"``."""
-    if fa3_supports_device(device) and fa3_available():
+    if fa3_usable(device):
         return "fa3 + triton"
     why = "needs a CUDA device of compute capability 9.x" if not fa3_supports_device(device) \
         else fa3_unavailable_reason()
@@ -96,7 +95,7 @@ class PerShapeBackend(AttentionBackend):
         backend serves one device)."""
         if not self._fa3_checked:
             self._fa3_checked = True
-            if fa3_supports_device(device) and fa3_available():
+            if fa3_usable(device):
                 self._fa3 = FlashAttn3Backend()
         return self._fa3
 

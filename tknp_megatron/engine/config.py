@@ -10,7 +10,16 @@ import torch
 from tknp_megatron.engine.request import RequestStatus
 from tknp_megatron.engine.scheduler import LoadPolicy
 
-__all__ = ["EngineConfig", "GenerationResult"]
+__all__ = ["EngineConfig", "GenerationResult", "sequence_limit_problem"]
+
+
+def sequence_limit_problem(limit: int, preset) -> Optional[str]:
+    """Why ``limit`` cannot be ``EngineConfig.max_sequence_length`` with ``preset``'s model
+    (for a front end to prefix with its flag), or None."""
+    model = preset.gpt.max_sequence_length
+    if not 1 <= limit <= model:
+        return f"must be in [1, {model}] ({preset.name}'s max_sequence_length)"
+    return None
 
 
 @dataclass(frozen=True)
