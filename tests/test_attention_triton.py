@@ -57,7 +57,10 @@ DECODE = [
     (4, 2, 16, 8, [70, 33], dict(num_splits=3)),  # GQA 2, split-K
     (8, 2, 32, 16, [45, 100, 17], dict(num_splits=4, block_n=16)),  # GQA 4, 4 non-empty splits
     (16, 1, 16, 4, [90], dict(num_splits=5, block_n=16)),  # GQA 16, context % splits != 0
-    (4, 1, 24, 3, [29, 8], dict(num_splits=2, block_n=16)),  # head_dim 24 (padded), block 3
+    (4, 1, 24, 3, [29, 8], dict(num_splits=2, block_n=16)),  # head_dim 24: tiles 16 + 16 (padded), block 3
+    (12, 1, 192, 16, [40, 9], dict(num_splits=2, block_n=16)),  # Nemotron's 192: tiles 128 + 64
+    (4, 2, 96, 8, [33, 70], {}),  # 64 + 32, one split
+    (4, 1, 80, 16, [50], dict(num_splits=3, block_n=16)),  # 64 + 16 (padded from 16)
     (2, 1, 16, 32, [5, 77], dict(num_splits=2)),  # page larger than block_n
     (2, 1, 16, 64, [5, 150], dict(num_splits=2, block_n=16)),  # a tile inside one page
     (4, 2, 16, 48, [100, 47], dict(num_splits=2, block_n=16)),  # the same, pages not a power of two
@@ -202,6 +205,19 @@ def test_varlen_prefill_and_decode_fp32(query_lens, seq_lens, hq, hkv, bs, optio
     _check(case, torch.float32, **options)
 
 
+def test_varlen_head_dim_in_two_tiles():
+    """Prompt tiles at head dim 192 (two column tiles, 128 + 64) against the reference."""
+    case = make_paged_case([6, 1], [6, 30], num_heads=8, num_kv_heads=2, head_dim=192, block_size=8, seed=9)
+    _check(case, torch.float32, num_splits=2, block_n=16)
+
+
+def test_head_dim_tiles():
+    from tknp_megatron.attention.triton_kernels import head_dim_tiles
+
+    assert [head_dim_tiles(d) for d in (8, 16, 24, 64, 80, 96, 112, 128, 160, 192, 256)] == [
+        (16, 0), (16, 0), (16, 16), (64, 0), (64, 16), (64, 32), (64, 64), (128, 0), (128, 32), (128, 64), (256, 0)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_varlen_half(dtype):
     case = make_paged_case(
@@ -312,3 +328,21 @@ def test_auto_backend_runs_triton_where_fa3_is_not_there(head_dim, mixed):
     assert torch.equal(out, get_backend("triton", "cpu", num_splits=2, block_n=16)(*case.args()))
     ref = get_backend("torch")(*case.args())
     torch.testing.assert_close(out.float(), ref.float(), **_tol(torch.bfloat16))
+
+
+@pytest.mark.parametrize("order", ["in-order", "interleaved", "shuffled"])
+def test_page_orders(order):
+    """Each order gives every request its own pages (no page shared, all in the pool), laid
+    out as named; the kernel's output does not depend on it."""
+    case = make_paged_case([1, 1, 1], [40, 17, 33], num_heads=4, num_kv_heads=2, head_dim=16, block_size=8,
+                           seed=3, page_order=order)
+    needed = [5, 3, 5]
+    table = case.meta.block_table
+    pages = [table[r, :n].tolist() for r, n in enumerate(needed)]
+    flat = [p for row in pages for p in row]
+    assert len(set(flat)) == len(flat) and all(0 <= p < case.k_cache.shape[0] for p in flat)
+    if order == "in-order":
+        assert pages == [[0, 1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]
+    elif order == "interleaved":  # page j of every request before page j + 1 of any
+        assert pages == [[0, 3, 6, 9, 11], [1, 4, 7], [2, 5, 8, 10, 12]]
+    _check(case, torch.float32, num_splits=2, block_n=16)

@@ -10,6 +10,11 @@
 #                   layout of benchmarks/RESULTS.md, "vLLM as a peer again"
 #   PART=pages      the MQA gap against SDPA by page size: both kernels (and auto) at 16-, 32- and
 #                   64-token pages, 1 and 8 KV heads, B = 32 / 128 / 256, 32K and 128K
+#   PART=order      the MQA gap against SDPA by where the pages lie: both kernels (and auto) with
+#                   each request's pages in order (as the engine's allocator hands out a fresh
+#                   pool), interleaved (requests grown in lockstep) and shuffled, 1 and 8 KV heads
+#                   at head dim 128 and 12/1 at 192, B = 32 / 128 / 256, 32K and 128K; FA3 also
+#                   with its split count and GQA packing fixed (FA3_VARIANTS)
 #   PART=serving-32k the default backend (auto: fa3 from a 32K bound at head dim 128) against
 #                   triton, DP on the one GPU, 12 of Llama-3.1-70B's layers, 32K, B = 16 / 32
 #   PART=serving-192 triton, fa3 and auto at head dim 192: DP on the one GPU, 2 of Nemotron-4-340B's layers
@@ -24,7 +29,7 @@
 # and opened there with
 #   python3 -m zipfile -e .whl_fa3/fa3.zip /tmp/fa3   # FA3_SITE defaults to /tmp/fa3
 # BACKENDS overrides a serving part's backends (each part's own list by default).
-# Usage: OUT=dir [PART="attention pages serving serving-32k serving-192"] [MODELS="llama nemotron"] [BACKENDS=...] [BATCH=...] [CTX=...] [TP="1 2 8"] bash $0
+# Usage: OUT=dir [PART="attention pages order serving serving-32k serving-192"] [MODELS="llama nemotron"] [BACKENDS=...] [BATCH=...] [CTX=...] [TP="1 2 8"] bash $0
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 FA3_SITE=${FA3_SITE:-/tmp/fa3}
@@ -61,6 +66,16 @@ for part in ${PART:-attention serving}; do
           --heads 8:1:128 16:1:128 64:8:128 12:1:192 --batch 32 128 256 --ctx 32768 131072 --configs auto \
           --reps 20 --max-kv-gib 24 --block-size $bs --out "$OUT/pages_$bs.json" > "$OUT/pages_$bs.txt" 2>&1
         echo "block $bs: exit $?"; grep "^small cases:" "$OUT/pages_$bs.txt" | tail -n 1
+      done ;;
+    order)
+      for order in in-order interleaved shuffled; do
+        timeout -k 5 ${PART_TIMEOUT:-150} python -m tknp_megatron.tools.bench_attention \
+          --heads 8:1:128 16:1:128 64:8:128 12:1:192 --batch ${BATCH:-32 128 256} --ctx ${CTX:-32768 131072} \
+          --configs auto --reps 20 --max-kv-gib 24 --page-order $order \
+          --fa3-variants ${FA3_VARIANTS:-1 2 4 8 0:pack 0:nopack} \
+          --out "$OUT/order_$order.json" > "$OUT/order_$order.txt" 2>&1
+        echo "pages $order: exit $?"; grep "^small cases:" "$OUT/order_$order.txt" | tail -n 1
+        tail -n 30 "$OUT/order_$order.txt" | grep -v "^{"
       done ;;
     serving-32k)
       for backend in ${BACKENDS:-triton auto}; do

@@ -3,16 +3,15 @@ between the Triton kernel (``triton_paged.py``) and FlashAttention 3 (``flash3.p
 
 The rule (:func:`prefer_fa3`), from ``tools/bench_attention.py`` on one H200 over the
 per-rank shapes of Llama-3.1-70B / 405B and Nemotron-4-340B at TP 1, 2, 8, B 1-256,
-contexts 1K-128K, 16-token pages, both kernels replayed from CUDA graphs
+contexts 1K-128K, 16-token pages, both kernels replayed from CUDA graphs and timed in turn
 (``docs/ARCHITECTURE.md``, "Kernels per shape"):
 
-- head dim above 128 (Nemotron's 192): FA3. It took 0.78-1.09x the Triton kernel's time
-  (median 0.92, faster at 47 of 55 shapes) and reads 89-101 % of copy bandwidth at
-  B x context >= 1M, where Triton's 32-token tiles read 82-92 %.
-- head dim 128, calls bounded by a context of 32K or more: FA3, 0.86-1.20x (median 0.98,
-  faster at 41 of 50 shapes; 0.86x at B = 8 x 128K with 8 KV heads, where the Triton
-  kernel reads 91 % of copy bandwidth and FA3 105 %).
-- head dim 128 below 32K: Triton. FA3 took 0.93-1.18x its time (median 1.08, faster at 10
+- head dim above 128 (Nemotron's 192): FA3. It took 0.86-1.15x the Triton kernel's time
+  (median 0.98, faster at 34 of 55 shapes) and reads 89-102 % of copy bandwidth at
+  B x context >= 1M, where the Triton kernel's 32-token tiles read 85-95 %.
+- head dim 128, calls bounded by a context of 32K or more: FA3, 0.97-1.20x (median 0.99,
+  faster at 36 of 50 shapes; 86-105 % of copy bandwidth against 84-102 %).
+- head dim 128 below 32K: Triton. FA3 took 0.93-1.22x its time (median 1.08, faster at 10
   of 60 shapes), and the engine's decode step at 8K was 0.5-1 % slower with it.
 - pages of 128 tokens or more: Triton. FA3 then loads a request's last page whole, slots
   past its length included, and weighs them by zero; a NaN left there by an earlier owner

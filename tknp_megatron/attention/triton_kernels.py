@@ -7,7 +7,10 @@ per kv-head group and fed to ``tl.dot``. Decode uses ``BLOCK_Q = 1`` and pads th
 to 16 rows (the smallest ``tl.dot`` M). The context ``[0, kv_end)`` of a tile is cut
 into ``num_splits`` equal, ``BLOCK_N``-aligned slices (flash-decoding); each program
 runs an online softmax (base 2) over its slice, reading the block table per token so
-any page size works. With one split it writes the normalised output directly;
+any page size works. A head dim that is not a power of two is read as two column tiles
+of power-of-two widths (192 as 128 + 64, 96 as 64 + 32: :func:`head_dim_tiles`) and each
+``tl.dot`` runs over both, instead of one tile padded to the next power of two (192 to
+256), whose masked third of every load and dot cost bandwidth and registers. With one split it writes the normalised output directly;
 otherwise it writes the slice's normalised fp32 partial and log2-sum-exp, and
 ``_combine_splits_kernel`` (one program per (row, head)) merges the slices.
 
@@ -28,7 +31,19 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["launch_paged_attention", "launch_combine_splits", "launch_split_plan"]
+__all__ = ["head_dim_tiles", "launch_paged_attention", "launch_combine_splits", "launch_split_plan"]
+
+def head_dim_tiles(head_dim: int):
+    """``(d_lo, d_hi)``: the column tiles the attention kernel reads a head in, powers of two
+    (``tl.arange`` sizes) of at least 16 (``tl.dot``'s smallest K). A power of two (or a
+    head dim up to 16) is one tile, ``d_hi = 0``; otherwise ``d_lo`` is the largest power of
+    two below ``head_dim`` and ``d_hi`` covers the rest, padded: 192 -> (128, 64), 96 -> (64,
+    32), 80 -> (64, 16), 112 -> (64, 64)."""
+    if head_dim <= 16 or head_dim & (head_dim - 1) == 0:
+        return max(16, triton.next_power_of_2(head_dim)), 0
+    d_lo = 1 << (head_dim.bit_length() - 1)
+    return d_lo, max(16, triton.next_power_of_2(head_dim - d_lo))
+
 
 COMBINE_BLOCK_S = 16
 """Slices the merge reads per iteration. A tile of every slice at once (``[splits, d]``
@@ -93,7 +108,7 @@ def _paged_attn_kernel(
     stride_lt, stride_lh,
     stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, D_LO: tl.constexpr, D_HI: tl.constexpr, BLOCK_N: tl.constexpr,
     VARLEN: tl.constexpr, SPLIT: tl.constexpr, BALANCED: tl.constexpr, UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
@@ -138,18 +153,25 @@ def _paged_attn_kernel(
     row_ok = (qi < q_len) & (m % GROUP_PAD < GROUP)
     row_pos = first_pos + qi
     rows = (q_start + qi).to(tl.int64)
-    d = tl.arange(0, D_PAD)
+    q_row = q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh
+    # columns [0, D_LO) and, where the head dim is not a power of two, [D_LO, D_LO + D_HI)
+    d = tl.arange(0, D_LO)
     d_ok = d < HEAD_DIM
-    q = tl.load(
-        q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
-    )
+    q = tl.load(q_row + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if UPCAST:  # the CPU interpreter cannot tl.dot bf16
         q = q.to(tl.float32)
+    if D_HI > 0:
+        dh = D_LO + tl.arange(0, D_HI)
+        dh_ok = dh < HEAD_DIM
+        q_hi = tl.load(q_row + dh[None, :], mask=row_ok[:, None] & dh_ok[None, :], other=0.0)
+        if UPCAST:
+            q_hi = q_hi.to(tl.float32)
 
     m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
-    acc = tl.zeros([BLOCK_Q * GROUP_PAD, D_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, D_LO], tl.float32)
+    if D_HI > 0:
+        acc_hi = tl.zeros([BLOCK_Q * GROUP_PAD, D_HI], tl.float32)
     bt_row = bt_ptr + req_c.to(tl.int64) * stride_bt
     n = tl.arange(0, BLOCK_N)
     for start in range(kv_lo, kv_hi, BLOCK_N):
@@ -170,6 +192,16 @@ def _paged_attn_kernel(
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
+        if D_HI > 0:
+            k_hi = tl.load(k_ptr + k_off[:, None] + dh[None, :], mask=tok_ok[:, None] & dh_ok[None, :], other=0.0)
+            v_hi = tl.load(v_ptr + v_off[:, None] + dh[None, :], mask=tok_ok[:, None] & dh_ok[None, :], other=0.0)
+            if UPCAST:
+                k_hi = k_hi.to(tl.float32)
+                v_hi = v_hi.to(tl.float32)
+            if IEEE:
+                s += tl.dot(q_hi, tl.trans(k_hi), input_precision="ieee")
+            else:
+                s += tl.dot(q_hi, tl.trans(k_hi))
         s = s * scale_log2
         s = tl.where(tok_ok[None, :] & (tok[None, :] <= row_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -182,18 +214,24 @@ def _paged_attn_kernel(
         else:
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
+        if D_HI > 0:
+            if IEEE:
+                pv_hi = tl.dot(p, v_hi, input_precision="ieee")
+            else:
+                pv_hi = tl.dot(p.to(v_hi.dtype), v_hi)
+            acc_hi = acc_hi * alpha[:, None] + pv_hi
         m_i = m_new
 
-    acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    store_mask = row_ok[:, None] & d_ok[None, :]
+    norm = tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o_row = out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh
     if SPLIT:
-        o_ptrs = out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os
-        tl.store(o_ptrs + d[None, :], acc, mask=store_mask)
+        o_row += split * stride_os
         lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
         tl.store(lse_ptr + rows * stride_lt + head * stride_lh + split, lse, mask=row_ok)
-    else:
-        o_ptrs = out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
+    tl.store(o_row + d[None, :], (acc / norm).to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if D_HI > 0:
+        tl.store(o_row + dh[None, :], (acc_hi / norm).to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & dh_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_pt", "stride_ph", "stride_ps", "stride_lt", "stride_lh"])
@@ -260,6 +298,7 @@ def launch_paged_attention(
     if balanced and (not split or tile_req is not None):
         raise ValueError("balanced splits are for decode launches with partial outputs (lse given)")
     dummy = meta.seq_lens  # unused pointer arguments
+    d_lo, d_hi = head_dim_tiles(head_dim)
     grid = (plan[1].shape[0], num_kv_heads, 1) if balanced else (num_tiles, num_kv_heads, num_splits)
     _paged_attn_kernel[grid](
         q, k_cache, v_cache, out, lse if split else dummy,
@@ -274,7 +313,7 @@ def launch_paged_attention(
         lse.stride(0) if split else 0, lse.stride(1) if split else 0,
         meta.block_table.stride(0),
         GROUP=q.shape[1] // num_kv_heads, GROUP_PAD=group_pad, BLOCK_Q=block_q,
-        PAGE=k_cache.shape[1], HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
+        PAGE=k_cache.shape[1], HEAD_DIM=head_dim, D_LO=d_lo, D_HI=d_hi,
         BLOCK_N=block_n, VARLEN=tile_req is not None, SPLIT=split, BALANCED=balanced, UPCAST=upcast,
         IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
     )

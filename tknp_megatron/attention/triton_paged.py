@@ -169,8 +169,10 @@ def decode_launch(programs: int, max_kv_len: int, head_dim: int, num_sms: int, c
 
     - fewer programs than SMs (small batches and short contexts, launch-bound): 128-token
       tiles, so each program has fewer steps of its loop;
-    - head dims over 128 (Nemotron's 192 pads to 256 columns): 32-token tiles, 4 warps,
-      2 stages, whose registers and shared memory leave room for more programs per SM;
+    - head dims over 128 (Nemotron's 192, read as column tiles of 128 and 64): 32-token
+      tiles, 4 warps, 2 stages, whose registers and shared memory leave room for more
+      programs per SM (64-token tiles, 2 or 8 warps, 3 or 4 stages were 4-60 % slower at
+      1 and 8 KV heads on an H200);
     - otherwise 64-token tiles, 4 warps and a third pipeline stage, which hides more of
       each program's memory latency: with one split (the batch fills the GPU by itself)
       4-8 % faster than two stages; with several, a median 3 % and up to 13 % on the

@@ -3,14 +3,18 @@
 
 For each (batch, context, q heads / kv heads / head dim) it builds a random paged bf16
 cache with a shuffled block table, checks the Triton output against the torch reference
-(on a subset of requests for big shapes), and times with CUDA events (warmup, L2 flushed
-before every rep, median, rotating among several query sets). ``--models`` takes the
+(on a subset of requests for big shapes), and times every column of the shape in turn,
+one call of each per rep (:class:`Timer`: CUDA events, a warm-up of at least 50 ms, L2
+flushed before every call, median, rotating among several query sets). ``--models`` takes the
 shapes of model presets at each ``--tp``; ``--configs`` lists launch configs to compare
 (``auto`` is the backend's own per-shape choice; a suffix ``@k`` sets
 ``TritonConfig.balance``, slices of equal tokens on a grid of k times the splits);
 ``--spread`` gives the requests mixed lengths; ``--kv-layout head-major`` stores each page
 as ``[Hkv, block_size, d]`` (one head's page contiguous) instead of the engine's
-``[block_size, Hkv, d]``, the Triton kernel reading it through strides (FA4 not timed there).
+``[block_size, Hkv, d]``, the Triton kernel reading it through strides (FA4 not timed there);
+``--page-order`` places the pages in the pool (shuffled by default; ``in-order`` as the
+engine's allocator hands out a fresh pool; ``interleaved`` as requests growing in lockstep);
+``--fa3-variants`` times FA3 again with its split count and GQA packing fixed.
 
 - triton: the ``triton`` backend's decode (split-K) over the paged cache;
 - sdpa: ``scaled_dot_product_attention`` on q ``[B, Hq, 1, d]`` with contiguous K/V
@@ -38,6 +42,7 @@ import statistics
 import time
 from pathlib import Path
 
+PAGE_ORDERS = ("in-order", "interleaved", "shuffled")  # as attention/testing.py's (imported late)
 LIBRARIES = ("fa3", "fa4")  # the paged backends of other libraries, timed where they are there
 COLUMNS = ["B", "ctx", "hq/hkv/d", "triton_us", "triton_TBps", "pct_of_copy", "sdpa_us", "sdpa_TBps", "copy_TBps", "rel_err"]
 
@@ -55,6 +60,11 @@ def parse_args(argv=None):
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-layout", choices=("token-major", "head-major"), default="token-major",
                    help="page layout: [block_size, Hkv, d] (the engine's) or [Hkv, block_size, d]")
+    p.add_argument("--page-order", choices=PAGE_ORDERS, default="shuffled",
+                   help="where the requests' pages lie in the pool (attention/testing.py, PAGE_ORDERS)")
+    p.add_argument("--fa3-variants", nargs="*", default=[],
+                   help="FA3 timed again per variant splits[:pack|nopack] (splits 0: its heuristic; "
+                        "pack: GQA packing forced on or off), e.g. 1 2 4 0:nopack; JSON fa3_variants")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--reps", type=int, default=30)
@@ -91,8 +101,17 @@ def parse_args(argv=None):
         args.out = os.path.join(os.environ["OUT"], "bench_attention.json")
     if not 0.0 <= args.spread < 1.0:
         p.error(f"--spread {args.spread}: must be in [0, 1)")
+    args.fa3_variants = [parse_fa3_variant(v) for v in args.fa3_variants]
     args.shapes = shapes_of(args)
     return args
+
+
+def parse_fa3_variant(text: str):
+    """``"splits[:pack|nopack]"`` -> ``(text, num_splits, pack_gqa)`` (pack_gqa None: FA3's choice)."""
+    spec, _, pack = text.partition(":")
+    if not spec.isdigit() or pack not in ("", "pack", "nopack"):
+        raise SystemExit(f"--fa3-variants {text!r}: expected splits[:pack|nopack], splits >= 0")
+    return text, int(spec), {"": None, "pack": True, "nopack": False}[pack]
 
 
 def shapes_of(args):
@@ -117,7 +136,19 @@ def shapes_of(args):
 
 
 class Timer:
-    """Median time (us) of ``fn(i)`` over reps; CUDA events on GPU, perf_counter on CPU."""
+    """Median times (us) of several ``fn(i)`` timed in turn; CUDA events on GPU (L2 flushed
+    before every call), perf_counter on CPU.
+
+    :meth:`interleaved` times its functions round-robin, one call of each per rep, so that
+    a drift of the GPU's speed while a shape is measured (clocks, power, temperature) falls
+    on every column alike. On an H200, timed one after the other, the first kernel of a
+    shape read up to 12 % slower than the same launch timed right after it, and a column
+    timed later could read up to 11 % slower than the same kernel timed before it
+    (``benchmarks/RESULTS.md``, "Timing in turn"). The warm-up runs ``warmup`` calls of
+    each and then keeps cycling until the GPU has been busy for ``WARM_S``.
+    """
+
+    WARM_S = 0.05
 
     def __init__(self, torch, device, warmup, reps, flush):
         self.torch, self.device, self.warmup, self.reps = torch, device, warmup, reps
@@ -125,25 +156,57 @@ class Timer:
         self.flush_buf = torch.empty(256 << 20, dtype=torch.uint8, device=device) if cuda and flush else None
 
     def __call__(self, fn) -> float:
-        torch = self.torch
-        for i in range(self.warmup):
-            fn(i)
-        if self.device.type != "cuda":
-            times = []
-            for i in range(self.reps):
-                t0 = time.perf_counter()
+        return self.interleaved([fn])[0]
+
+    def interleaved(self, fns) -> list:
+        """The median time (us) of each of ``fns``, timed in turn."""
+        torch, cuda = self.torch, self.device.type == "cuda"
+        for fn in fns:
+            for i in range(self.warmup):
                 fn(i)
-                times.append((time.perf_counter() - t0) * 1e6)
-            return statistics.median(times)
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(self.reps)]
-        for i, (start, end) in enumerate(events):
-            if self.flush_buf is not None:
-                self.flush_buf.zero_()
-            start.record()
-            fn(i)
-            end.record()
+        if cuda:
+            torch.cuda.synchronize()
+            t0, i = time.perf_counter(), 0
+            while fns and time.perf_counter() - t0 < self.WARM_S:
+                for fn in fns:
+                    fn(i)
+                i += 1
+                torch.cuda.synchronize()
+        times = [[] for _ in fns]
+        if not cuda:
+            for i in range(self.reps):
+                for fn, out in zip(fns, times):
+                    t0 = time.perf_counter()
+                    fn(i)
+                    out.append((time.perf_counter() - t0) * 1e6)
+            return [statistics.median(t) for t in times]
+        events = [[] for _ in fns]
+        for i in range(self.reps):
+            for fn, out in zip(fns, events):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                if self.flush_buf is not None:
+                    self.flush_buf.zero_()
+                start.record()
+                fn(i)
+                end.record()
+                out.append((start, end))
         torch.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) * 1e3 for s, e in events)
+        return [statistics.median(s.elapsed_time(e) * 1e3 for s, e in pairs) for pairs in events]
+
+
+class Jobs:
+    """The timings of one shape, collected first and run together (:meth:`Timer.interleaved`):
+    each is ``(target dict, key, fn)``, and its median lands in ``target[key]``."""
+
+    def __init__(self):
+        self.items = []
+
+    def add(self, target: dict, key: str, fn) -> None:
+        self.items.append((target, key, fn))
+
+    def run(self, timer: Timer) -> None:
+        for (target, key, _), us in zip(self.items, timer.interleaved([fn for _, _, fn in self.items])):
+            target[key] = us
 
 
 def rel_err(out, ref) -> float:
@@ -164,7 +227,7 @@ def run_shape(env, args, batch, ctx, hq, hkv, head_dim):
     dtype = getattr(torch, args.dtype)
     elem = torch.finfo(dtype).bits // 8
     row = dict(B=batch, ctx=ctx, hq=hq, hkv=hkv, head_dim=head_dim, block_size=args.block_size, dtype=args.dtype,
-               kv_layout=args.kv_layout)
+               kv_layout=args.kv_layout, page_order=args.page_order)
     lens = context_lengths(batch, ctx, args.spread)
     row["spread"], row["mean_ctx"] = args.spread, sum(lens) / batch
     row["kv_bytes"] = 2 * sum(lens) * hkv * head_dim * elem
@@ -180,16 +243,21 @@ def run_shape(env, args, batch, ctx, hq, hkv, head_dim):
     case = env["testing"].make_paged_case(
         [1] * batch, lens, num_heads=hq, num_kv_heads=hkv, head_dim=head_dim,
         block_size=args.block_size, dtype=dtype, device=device, seed=batch + ctx + hq,
-        head_major=args.kv_layout == "head-major")
+        head_major=args.kv_layout == "head-major", page_order=args.page_order)
     qs = [case.q] + [torch.randn_like(case.q) for _ in range(args.query_sets - 1)]
-    out, ref = check_and_time_triton(env, args, case, qs, row)
+    jobs = Jobs()  # every column's timing, run together in turn once all are checked
+    out, ref = check_triton(env, args, case, qs, row, jobs)
     if args.kv_layout == "token-major":
         for name in env["libraries"]:
-            check_and_time_library(env, name, args, case, qs, row, ref)
+            check_library(env, name, args, case, qs, row, ref, jobs)
+        if "fa3" in env["libraries"] and args.fa3_variants:
+            check_fa3_variants(env, args, case, qs, row, ref, jobs)
     if not args.spread:
-        time_contiguous_kernels(env, case, qs, out, row)
-    del case, qs, out
-    time_copy(env, row)
+        check_contiguous_kernels(env, case, qs, out, row, jobs)
+    add_copy(env, row, jobs)
+    jobs.run(env["timer"])
+    summarize_triton(row, env["device"].type == "cuda" and not args.no_graphs)
+    del case, qs, out, jobs
     for name in ("triton", *env["libraries"], "sdpa", "copy"):
         if f"{name}_us" in row:
             row[f"{name}_TBps"] = row["kv_bytes"] / (row[f"{name}_us"] * 1e-6) / 1e12
@@ -206,8 +274,9 @@ def context_lengths(batch: int, ctx: int, spread: float):
     return [max(1, round(ctx * (1 - spread * i / (batch - 1)))) for i in range(batch)]
 
 
-def check_and_time_triton(env, args, case, qs, row):
-    """Relative error against the reference, then eager (and graphed) times per config.
+def check_triton(env, args, case, qs, row, jobs):
+    """Relative error against the reference, then the eager (and graphed) timing of each
+    config added to ``jobs``.
 
     Every config is checked against the reference before it is timed; one that fails to
     compile (e.g. out of shared memory) or is wrong is recorded as such and not timed.
@@ -250,9 +319,14 @@ def check_and_time_triton(env, args, case, qs, row):
         if not timing["rel_err"] < 1e-2:
             timing["status"] = "WRONG"
             continue
-        timing["us"] = env["timer"](lambda i, c=call: c(qs[i % len(qs)]))
+        jobs.add(timing, "us", lambda i, c=call: c(qs[i % len(qs)]))
         if graphs:
-            timing["graph_us"] = graph_time(env, call, qs)
+            jobs.add(timing, "graph_us", graph_replay(env, call, qs))
+    return out, ref
+
+
+def summarize_triton(row, graphs):
+    """The reported config's times and the best config, once the jobs have run."""
     timed = [c for c in row["configs"] if "us" in c]
     first = row["configs"][0]
     row["num_splits"] = first["num_splits"]
@@ -267,13 +341,12 @@ def check_and_time_triton(env, args, case, qs, row):
         row["triton_best_graph_us"] = best["graph_us"]
         row["best_config"] = (f"{best['block_n']}:{best['num_warps']}:{best['num_stages']}:{best['waves']}"
                               f"@{best['balance'] or 'auto'}")
-    return out, ref
 
 
-def check_and_time_library(env, name, args, case, qs, row, ref):
+def check_library(env, name, args, case, qs, row, ref, jobs):
     """A library's backend (``fa3``, ``fa4``, ``auto``) over the same paged cache: checked on the
-    reference's requests, then timed eager and (on CUDA) from graphs; a failure is
-    recorded, not raised."""
+    reference's requests, then its eager and (on CUDA) graphed timing added to ``jobs``; a
+    failure is recorded, not raised."""
     meta, n_ref = case.meta, row["ref_requests"]
     try:
         backend = env["attn"].get_backend(name, env["device"])
@@ -285,8 +358,30 @@ def check_and_time_library(env, name, args, case, qs, row, ref):
     if not row[f"{name}_rel_err"] < 1e-2:
         row[f"{name}_status"] = "WRONG"
         return
-    row[f"{name}_eager_us"] = env["timer"](lambda i: call(qs[i % len(qs)]))
-    row[f"{name}_us"] = graph_time(env, call, qs) if not args.no_graphs else row[f"{name}_eager_us"]
+    eager = lambda i: call(qs[i % len(qs)])
+    jobs.add(row, f"{name}_eager_us", eager)
+    jobs.add(row, f"{name}_us", eager if args.no_graphs else graph_replay(env, call, qs))
+
+
+def check_fa3_variants(env, args, case, qs, row, ref, jobs):
+    """FA3 with its split count and GQA packing fixed (``--fa3-variants``), each checked on
+    the reference's requests and timed from CUDA graphs: ``row["fa3_variants"][text]`` is
+    the time (us) or why not."""
+    meta, n_ref, found = case.meta, row["ref_requests"], {}
+    for text, num_splits, pack_gqa in args.fa3_variants:
+        try:
+            backend = env["attn"].get_backend("fa3", env["device"], num_splits=num_splits, pack_gqa=pack_gqa)
+            call = lambda q, b=backend: b(q, case.k_cache, case.v_cache, meta, case.scale)
+            err = rel_err(call(case.q)[:n_ref], ref)
+        except Exception as exc:
+            found[text] = f"error: {type(exc).__name__}: {exc}"[:200]
+            continue
+        if err < 1e-2:
+            jobs.add(found, text, graph_replay(env, call, qs) if not args.no_graphs else
+                     lambda i, c=call: c(qs[i % len(qs)]))
+        else:
+            found[text] = f"WRONG (rel_err {err:.3g})"
+    row["fa3_variants"] = found
 
 
 def parse_config(text: str, waves: int):
@@ -306,30 +401,29 @@ def parse_config(text: str, waves: int):
     return (*parts[:3], parts[3] if len(parts) == 4 else waves, balance)
 
 
-def time_contiguous_kernels(env, case, qs, out, row):
-    """SDPA (and flash-attn) on contiguous K/V; the copies are freed on return."""
-    F, timer = env["F"], env["timer"]
+def check_contiguous_kernels(env, case, qs, out, row, jobs):
+    """SDPA (and flash-attn) on contiguous K/V copies of the pages, added to ``jobs``."""
+    F = env["F"]
     batch, hq, hkv, d, scale = row["B"], row["hq"], row["hkv"], row["head_dim"], case.scale
     k = attn_gather(env, case.k_cache, case.meta.block_table, row["ctx"])  # [B, Hkv, ctx, d]
     v = attn_gather(env, case.v_cache, case.meta.block_table, row["ctx"])
     q4 = [q.unsqueeze(2) for q in qs]  # [B, Hq, 1, d]
     sdpa = lambda i: F.scaled_dot_product_attention(q4[i % len(q4)], k, v, scale=scale, enable_gqa=True)
     row["sdpa_rel_err"] = rel_err(sdpa(0).squeeze(2), out)
-    row["sdpa_us"] = timer(sdpa)
+    jobs.add(row, "sdpa_us", sdpa)
     qf = [q.view(batch, hkv, hq // hkv, d) for q in qs]  # the group folded into the query length
-    row["sdpa_fold_us"] = timer(lambda i: F.scaled_dot_product_attention(qf[i % len(qf)], k, v, scale=scale))
+    jobs.add(row, "sdpa_fold_us", lambda i: F.scaled_dot_product_attention(qf[i % len(qf)], k, v, scale=scale))
     if env["flash"] is not None:
         kf, vf = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()  # [B, ctx, Hkv, d]
         qq, fa, lens = [q.unsqueeze(1) for q in qs], env["flash"].flash_attn_with_kvcache, case.meta.seq_lens
-        row["flash_us"] = timer(lambda i: fa(qq[i % len(qq)], kf, vf, cache_seqlens=lens, softmax_scale=scale))
+        jobs.add(row, "flash_us", lambda i: fa(qq[i % len(qq)], kf, vf, cache_seqlens=lens, softmax_scale=scale))
 
 
-def time_copy(env, row):
+def add_copy(env, row, jobs):
     """The ceiling: a device copy moving ``kv_bytes`` (reads half of it, writes half)."""
-    torch, timer = env["torch"], env["timer"]
-    src = torch.empty(row["kv_bytes"] // 2, dtype=torch.uint8, device=env["device"])
-    dst = torch.empty_like(src)
-    row["copy_us"] = timer(lambda i: dst.copy_(src))  # reads kv_bytes/2, writes kv_bytes/2
+    src = env["torch"].empty(row["kv_bytes"] // 2, dtype=env["torch"].uint8, device=env["device"])
+    dst = env["torch"].empty_like(src)
+    jobs.add(row, "copy_us", lambda i: dst.copy_(src))  # reads kv_bytes/2, writes kv_bytes/2
 
 
 SMALL_CASES = [
@@ -429,10 +523,11 @@ def capture_graphs(torch, fns):
     return graphs, outs
 
 
-def graph_time(env, call, qs) -> float:
-    """Median time (us) of ``call(q)`` replayed from CUDA graphs, one graph per query set."""
+def graph_replay(env, call, qs):
+    """``fn(i)`` replaying ``call(q)`` from CUDA graphs, one graph per query set (captured
+    now, kept alive by ``fn``)."""
     graphs, _ = capture_graphs(env["torch"], [lambda q=q: call(q) for q in qs])
-    return env["timer"](lambda i: graphs[i % len(graphs)].replay())
+    return lambda i: graphs[i % len(graphs)].replay()
 
 
 def attn_gather(env, cache, block_table, ctx):
@@ -475,6 +570,8 @@ def setup(args):
             flash_attn = None
     except Exception:
         flash_attn = None
+    if testing.PAGE_ORDERS != PAGE_ORDERS:
+        raise SystemExit(f"bench_attention's PAGE_ORDERS {PAGE_ORDERS} differ from attention/testing.py's")
     num_sms = device_num_sms(device)
     libraries = [n for n in LIBRARIES if device.type == "cuda" and n in attn.available_backends(device)]
     if "fa3" in libraries:  # the default backend then differs from triton: its own column
