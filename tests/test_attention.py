@@ -274,7 +274,8 @@ def test_library_backend_matches_torch_reference(name, block_size, mixed):
     (192, [300, 1200], [1, 1], "fa3"),
     (128, [300, 1200], [1, 1], "triton"),
     (128, [300, 40000], [1, 1], "fa3"),
-    (192, [300, 1200], [3, 1], "triton"),
+    (192, [300, 1200], [3, 1], "fa3"),  # a query chunk
+    (128, [300, 1200], [300, 1], "fa3"),  # a whole prompt beside a decode row
 ])
 def test_auto_backend_on_hopper_picks_by_shape(head_dim, seq_lens, query_lens, expect):
     """Where FA3 is there, the default backend runs it for the shapes it was measured faster

@@ -289,9 +289,10 @@ def test_query_view_of_fused_qkv():
 
 
 def test_auto_rule_takes_fa3_only_where_it_was_measured_faster():
-    """The per-shape rule of the default backend: FA3 for decode at head dim 192, and at 128
-    from a 32K context bound; Triton below that, for query chunks, at pages of 128+ (FA3
-    reads past a request's length there), in fp32 and at head dims FA3 does not take."""
+    """The per-shape rule of the default backend: FA3 for query chunks, for decode at head
+    dim 192, and at 128 from a 32K context bound; Triton for decode below that, at pages of
+    128+ (FA3 reads past a request's length there), in fp32 and at head dims FA3 does not
+    take."""
     from tknp_megatron.attention.per_shape import prefer_fa3
 
     bf16 = torch.bfloat16
@@ -300,7 +301,8 @@ def test_auto_rule_takes_fa3_only_where_it_was_measured_faster():
     assert prefer_fa3(bf16, 128, 16, 1, 32768) and prefer_fa3(bf16, 128, 16, 1, 131072)
     assert not prefer_fa3(bf16, 128, 16, 1, 32767)
     assert not prefer_fa3(bf16, 192, 128, 1, 4096)  # pages of 128 tokens
-    assert not prefer_fa3(bf16, 192, 16, 2, 4096)  # a query chunk
+    assert prefer_fa3(bf16, 192, 16, 2, 4096) and prefer_fa3(bf16, 128, 16, 2048, 8192)  # query chunks
+    assert not prefer_fa3(bf16, 128, 128, 2048, 8192)  # ... but not at pages of 128 tokens
     assert not prefer_fa3(torch.float32, 192, 16, 1, 4096)
     assert not prefer_fa3(bf16, 100, 16, 1, 65536) and not prefer_fa3(bf16, 264, 16, 1, 65536)
 

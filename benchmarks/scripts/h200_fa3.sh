@@ -15,6 +15,10 @@
 #                   pool), interleaved (requests grown in lockstep) and shuffled, 1 and 8 KV heads
 #                   at head dim 128 and 12/1 at 192, B = 32 / 128 / 256, 32K and 128K; FA3 also
 #                   with its split count and GQA packing fixed (FA3_VARIANTS)
+#   PART=prefill    prompts: both kernels (and SDPA, causal over contiguous K/V, where the chunk is
+#                   the whole context) on whole 4K and 16K prompts and on 2048-token chunks at
+#                   the end of a 32K context, Llama-3.1-70B's and Nemotron-4-340B's heads per rank
+#                   at TP 1 and 8 (64/8 and 8/1 at head dim 128, 96/8 and 12/1 at 192); TFLOP/s
 #   PART=serving-32k the default backend (auto: fa3 from a 32K bound at head dim 128) against
 #                   triton, DP on the one GPU, 12 of Llama-3.1-70B's layers, 32K, B = 16 / 32
 #   PART=serving-192 triton, fa3 and auto at head dim 192: DP on the one GPU, 2 of Nemotron-4-340B's layers
@@ -29,7 +33,7 @@
 # and opened there with
 #   python3 -m zipfile -e .whl_fa3/fa3.zip /tmp/fa3   # FA3_SITE defaults to /tmp/fa3
 # BACKENDS overrides a serving part's backends (each part's own list by default).
-# Usage: OUT=dir [PART="attention pages order serving serving-32k serving-192"] [MODELS="llama nemotron"] [BACKENDS=...] [BATCH=...] [CTX=...] [TP="1 2 8"] bash $0
+# Usage: OUT=dir [PART="attention pages order prefill serving serving-32k serving-192"] [MODELS="llama nemotron"] [BACKENDS=...] [BATCH=...] [CTX=...] [TP="1 2 8"] bash $0
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 FA3_SITE=${FA3_SITE:-/tmp/fa3}
@@ -76,6 +80,15 @@ for part in ${PART:-attention serving}; do
           --out "$OUT/order_$order.json" > "$OUT/order_$order.txt" 2>&1
         echo "pages $order: exit $?"; grep "^small cases:" "$OUT/order_$order.txt" | tail -n 1
         tail -n 30 "$OUT/order_$order.txt" | grep -v "^{"
+      done ;;
+    prefill)
+      for spec in "1 4:4096:4096" "1:16384:16384" "1 4:32768:2048"; do
+        IFS=: read -r batches ctx qlen <<< "$spec"
+        timeout -k 5 ${PART_TIMEOUT:-200} python -m tknp_megatron.tools.bench_attention \
+          --heads 64:8:128 8:1:128 96:8:192 12:1:192 --batch $batches --ctx $ctx --query-len $qlen \
+          --configs auto --reps 10 --query-sets 2 --out "$OUT/prefill_${ctx}_$qlen.json" > "$OUT/prefill_${ctx}_$qlen.txt" 2>&1
+        echo "prefill ctx $ctx chunk $qlen: exit $?"; grep "^small cases:" "$OUT/prefill_${ctx}_$qlen.txt" | tail -n 1
+        tail -n 12 "$OUT/prefill_${ctx}_$qlen.txt" | grep -v "^{"
       done ;;
     serving-32k)
       for backend in ${BACKENDS:-triton auto}; do

@@ -14,7 +14,11 @@ as ``[Hkv, block_size, d]`` (one head's page contiguous) instead of the engine's
 ``[block_size, Hkv, d]``, the Triton kernel reading it through strides (FA4 not timed there);
 ``--page-order`` places the pages in the pool (shuffled by default; ``in-order`` as the
 engine's allocator hands out a fresh pool; ``interleaved`` as requests growing in lockstep);
-``--fa3-variants`` times FA3 again with its split count and GQA packing fixed.
+``--fa3-variants`` times FA3 again with its split count and GQA packing fixed;
+``--query-len N`` times prompt chunks instead of decode: each request's last ``N`` tokens
+as query rows (causal), with TFLOP/s per column (``*_TFLOPs``), SDPA (causal, over
+contiguous K/V) where the chunk is the whole context, and the check on request 0's last
+rows.
 
 - triton: the ``triton`` backend's decode (split-K) over the paged cache;
 - sdpa: ``scaled_dot_product_attention`` on q ``[B, Hq, 1, d]`` with contiguous K/V
@@ -65,6 +69,8 @@ def parse_args(argv=None):
     p.add_argument("--fa3-variants", nargs="*", default=[],
                    help="FA3 timed again per variant splits[:pack|nopack] (splits 0: its heuristic; "
                         "pack: GQA packing forced on or off), e.g. 1 2 4 0:nopack; JSON fa3_variants")
+    p.add_argument("--query-len", type=int, default=1,
+                   help="query rows per request (1: decode; more: a prompt chunk ending at the context)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--reps", type=int, default=30)
@@ -102,6 +108,10 @@ def parse_args(argv=None):
     if not 0.0 <= args.spread < 1.0:
         p.error(f"--spread {args.spread}: must be in [0, 1)")
     args.fa3_variants = [parse_fa3_variant(v) for v in args.fa3_variants]
+    if args.query_len < 1 or args.query_len > min(args.ctx):
+        p.error(f"--query-len {args.query_len}: must be in [1, the shortest --ctx {min(args.ctx)}]")
+    if args.query_len > 1 and args.spread:
+        p.error("--query-len > 1 times equal contexts: leave --spread at 0")
     args.shapes = shapes_of(args)
     return args
 
@@ -227,7 +237,7 @@ def run_shape(env, args, batch, ctx, hq, hkv, head_dim):
     dtype = getattr(torch, args.dtype)
     elem = torch.finfo(dtype).bits // 8
     row = dict(B=batch, ctx=ctx, hq=hq, hkv=hkv, head_dim=head_dim, block_size=args.block_size, dtype=args.dtype,
-               kv_layout=args.kv_layout, page_order=args.page_order)
+               kv_layout=args.kv_layout, page_order=args.page_order, query_len=args.query_len)
     lens = context_lengths(batch, ctx, args.spread)
     row["spread"], row["mean_ctx"] = args.spread, sum(lens) / batch
     row["kv_bytes"] = 2 * sum(lens) * hkv * head_dim * elem
@@ -240,8 +250,11 @@ def run_shape(env, args, batch, ctx, hq, hkv, head_dim):
         if need > 0.9 * free:
             row["status"] = f"skipped: needs {need / 2**30:.1f} GiB, free {free / 2**30:.1f} GiB"
             return row
+    # causal attention's multiply-adds: row i of a chunk ending at L sees L - n + i + 1 tokens
+    n = args.query_len
+    row["flop"] = sum(4 * hq * head_dim * (n * length - n * (n - 1) // 2) for length in lens)
     case = env["testing"].make_paged_case(
-        [1] * batch, lens, num_heads=hq, num_kv_heads=hkv, head_dim=head_dim,
+        [n] * batch, lens, num_heads=hq, num_kv_heads=hkv, head_dim=head_dim,
         block_size=args.block_size, dtype=dtype, device=device, seed=batch + ctx + hq,
         head_major=args.kv_layout == "head-major", page_order=args.page_order)
     qs = [case.q] + [torch.randn_like(case.q) for _ in range(args.query_sets - 1)]
@@ -252,7 +265,7 @@ def run_shape(env, args, batch, ctx, hq, hkv, head_dim):
             check_library(env, name, args, case, qs, row, ref, jobs)
         if "fa3" in env["libraries"] and args.fa3_variants:
             check_fa3_variants(env, args, case, qs, row, ref, jobs)
-    if not args.spread:
+    if not args.spread and (n == 1 or n == ctx):
         check_contiguous_kernels(env, case, qs, out, row, jobs)
     add_copy(env, row, jobs)
     jobs.run(env["timer"])
@@ -261,6 +274,9 @@ def run_shape(env, args, batch, ctx, hq, hkv, head_dim):
     for name in ("triton", *env["libraries"], "sdpa", "copy"):
         if f"{name}_us" in row:
             row[f"{name}_TBps"] = row["kv_bytes"] / (row[f"{name}_us"] * 1e-6) / 1e12
+    for name in ("triton_graph", *env["libraries"], "sdpa"):
+        if n > 1 and f"{name}_us" in row:
+            row[f"{name}_TFLOPs"] = row["flop"] / (row[f"{name}_us"] * 1e-6) / 1e12
     row["pct_of_copy"] = 100.0 * row["triton_TBps"] / row["copy_TBps"]
     row["status"] = "ok" if row["rel_err"] < 1e-2 else "WRONG"
     return row
@@ -293,12 +309,9 @@ def check_triton(env, args, case, qs, row, jobs):
         backends.append(attn.get_backend("triton", env["device"], waves=waves, num_splits=args.num_splits,
                                          min_split_tokens=args.min_split_tokens, balance=balance, **limits,
                                          **launch))
-    n_ref = min(batch, args.ref_requests)
-    sub = attn.AttentionMetadata(meta.query_start_loc[: n_ref + 1], meta.seq_lens[:n_ref], meta.block_table[:n_ref],
-                                 1, meta.max_seq_len)
-    ref = attn.get_backend("torch")(case.q[:n_ref], case.k_cache, case.v_cache, sub, case.scale)
+    ref, rows = reference(env, args, case, batch)
     out = backends[0](*case.args())
-    row["rel_err"], row["ref_requests"] = rel_err(out[:n_ref], ref), n_ref
+    row["rel_err"], row["ref_rows"] = rel_err(out[rows], ref), rows.stop - rows.start
     graphs = env["device"].type == "cuda" and not args.no_graphs
     row["configs"] = []
     for i, ((bn, w, s, waves, balance), backend) in enumerate(zip(configs, backends)):
@@ -310,7 +323,7 @@ def check_triton(env, args, case, qs, row, jobs):
                       auto=bn is None)
         row["configs"].append(timing)
         try:
-            timing["rel_err"] = row["rel_err"] if i == 0 else rel_err(call(case.q)[:n_ref], ref)
+            timing["rel_err"] = row["rel_err"] if i == 0 else rel_err(call(case.q)[rows], ref)
         except Exception as exc:
             if i == 0:
                 raise
@@ -322,7 +335,25 @@ def check_triton(env, args, case, qs, row, jobs):
         jobs.add(timing, "us", lambda i, c=call: c(qs[i % len(qs)]))
         if graphs:
             jobs.add(timing, "graph_us", graph_replay(env, call, qs))
-    return out, ref
+    return out, (ref, rows)
+
+
+def reference(env, args, case, batch):
+    """The torch reference for some of the output rows: ``(ref, rows)``, ``rows`` a slice of
+    the output. Decode: the first ``--ref-requests`` requests. Chunks: request 0's last 128
+    rows at most (the reference holds a ``[Hq, rows, ctx]`` score matrix)."""
+    attn, meta = env["attn"], case.meta
+    if args.query_len == 1:
+        n = min(batch, args.ref_requests)
+        sub = attn.AttentionMetadata(meta.query_start_loc[: n + 1], meta.seq_lens[:n], meta.block_table[:n],
+                                     1, meta.max_seq_len)
+        rows = slice(0, n)
+    else:
+        n = min(args.query_len, 128)
+        starts = env["torch"].tensor([0, n], dtype=env["torch"].int32, device=env["device"])
+        sub = attn.AttentionMetadata(starts, meta.seq_lens[:1], meta.block_table[:1], n, meta.max_seq_len)
+        rows = slice(args.query_len - n, args.query_len)
+    return attn.get_backend("torch")(case.q[rows], case.k_cache, case.v_cache, sub, case.scale), rows
 
 
 def summarize_triton(row, graphs):
@@ -347,11 +378,11 @@ def check_library(env, name, args, case, qs, row, ref, jobs):
     """A library's backend (``fa3``, ``fa4``, ``auto``) over the same paged cache: checked on the
     reference's requests, then its eager and (on CUDA) graphed timing added to ``jobs``; a
     failure is recorded, not raised."""
-    meta, n_ref = case.meta, row["ref_requests"]
+    meta, (ref, rows) = case.meta, ref
     try:
         backend = env["attn"].get_backend(name, env["device"])
         call = lambda q: backend(q, case.k_cache, case.v_cache, meta, case.scale)
-        row[f"{name}_rel_err"] = rel_err(call(case.q)[:n_ref], ref)
+        row[f"{name}_rel_err"] = rel_err(call(case.q)[rows], ref)
     except Exception as exc:
         row[f"{name}_status"] = f"error: {type(exc).__name__}: {exc}"[:200]
         return
@@ -367,12 +398,12 @@ def check_fa3_variants(env, args, case, qs, row, ref, jobs):
     """FA3 with its split count and GQA packing fixed (``--fa3-variants``), each checked on
     the reference's requests and timed from CUDA graphs: ``row["fa3_variants"][text]`` is
     the time (us) or why not."""
-    meta, n_ref, found = case.meta, row["ref_requests"], {}
+    meta, (ref, rows), found = case.meta, ref, {}
     for text, num_splits, pack_gqa in args.fa3_variants:
         try:
             backend = env["attn"].get_backend("fa3", env["device"], num_splits=num_splits, pack_gqa=pack_gqa)
             call = lambda q, b=backend: b(q, case.k_cache, case.v_cache, meta, case.scale)
-            err = rel_err(call(case.q)[:n_ref], ref)
+            err = rel_err(call(case.q)[rows], ref)
         except Exception as exc:
             found[text] = f"error: {type(exc).__name__}: {exc}"[:200]
             continue
@@ -407,6 +438,13 @@ def check_contiguous_kernels(env, case, qs, out, row, jobs):
     batch, hq, hkv, d, scale = row["B"], row["hq"], row["hkv"], row["head_dim"], case.scale
     k = attn_gather(env, case.k_cache, case.meta.block_table, row["ctx"])  # [B, Hkv, ctx, d]
     v = attn_gather(env, case.v_cache, case.meta.block_table, row["ctx"])
+    if row["query_len"] > 1:  # a whole prompt (the chunk is the context): causal, [B, Hq, ctx, d]
+        q4 = [q.view(batch, row["ctx"], hq, d).transpose(1, 2) for q in qs]
+        sdpa = lambda i: F.scaled_dot_product_attention(q4[i % len(q4)], k, v, scale=scale, is_causal=True,
+                                                        enable_gqa=True)
+        row["sdpa_rel_err"] = rel_err(sdpa(0).transpose(1, 2).reshape(out.shape), out)
+        jobs.add(row, "sdpa_us", sdpa)
+        return
     q4 = [q.unsqueeze(2) for q in qs]  # [B, Hq, 1, d]
     sdpa = lambda i: F.scaled_dot_product_attention(q4[i % len(q4)], k, v, scale=scale, enable_gqa=True)
     row["sdpa_rel_err"] = rel_err(sdpa(0).squeeze(2), out)
@@ -536,7 +574,8 @@ def attn_gather(env, cache, block_table, ctx):
 
 
 def fmt_table(rows):
-    extra = [c for c in ("launch", "triton_graph_us", "triton_best_graph_us", "best_config", "fa3_us", "fa4_us", "auto_us", "flash_us")
+    extra = [c for c in ("launch", "triton_graph_us", "triton_best_graph_us", "best_config", "fa3_us", "fa4_us",
+                         "auto_us", "flash_us", "triton_graph_TFLOPs", "fa3_TFLOPs", "sdpa_TFLOPs")
              if any(c in r for r in rows)]
     lines = ["  ".join(f"{c:>11}" for c in COLUMNS + extra)]
     for r in rows:
