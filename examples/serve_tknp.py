@@ -50,6 +50,7 @@ from job_inputs import (  # noqa: E402
     rank_device,
 )
 
+from tknp_megatron.attention import backend_problem  # noqa: E402
 from tknp_megatron.config import dtype_from_name  # noqa: E402
 from tknp_megatron.engine.config import sequence_limit_problem  # noqa: E402
 from tknp_megatron.launch import init_distributed, supervise  # noqa: E402
@@ -155,6 +156,8 @@ def prepare(args) -> ServeJob:
     if kv is not None and kv < args.block_size:
         problems.append(f"--kv-tokens-per-node {kv}: must hold at least one block "
                         f"(--block-size {args.block_size})")
+    if backend_problem(args.attention_backend, args.device):
+        problems.append(f"--attention-backend {backend_problem(args.attention_backend, args.device)}")
     if problems:
         raise JobError("; ".join(problems))
     load_tokenizer(args, preset)  # checked here; every process loads its own

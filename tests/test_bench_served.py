@@ -31,3 +31,21 @@ def test_served_and_offline_give_the_same_tokens(tmp_path):
         assert timeline["full_gc"] >= 0 and timeline["full_gc_s"] >= 0  # the pool's full collections
     assert report["pool"]["steps"] >= 2 * 4 and report["pool"]["completed"] == 8 * 4  # a warm-up and 3 timed passes of 8
     assert report["pool"]["graph_captures"] == 0
+
+
+def test_offline_only_times_the_engine_with_the_backend_asked_for(tmp_path):
+    """``--offline-only`` (the engine alone, e.g. one attention backend against another):
+    no server, the offline engine's throughput, with ``--attention-backend`` reaching it (an
+    unknown name must fail the run, so the flag is not ignored)."""
+    base = [sys.executable, "-m", "tknp_megatron.tools.bench_served", "--gpus", "1", "--nodes", "1", "--tp", "1",
+            "--requests", "3", "--prompt-len", "20", "--output-len", "3", "--passes", "1", "--offline-only",
+            "--timeout", "120"]
+    out = tmp_path / "offline.json"
+    proc = subprocess.run(base + ["--attention-backend", "torch", "--out", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["offline"]["tokens"] == 3 * 3 and report["offline"]["tok_per_s"] > 0 and "served" not in report
+    bad = subprocess.run(base + ["--attention-backend", "no-such-kernel"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=180)
+    assert bad.returncode == 2 and "--attention-backend no-such-kernel: not usable on cpu" in bad.stderr  # argparse, before spawning

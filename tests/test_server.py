@@ -373,8 +373,9 @@ def test_megatrons_stop_ends_the_server_in_order():
     (["--layers", "0"], "--layers 0: must be at least 1"),
     (["--frontend-replicas", "0"], "--frontend-replicas 0: must be at least 1"),
     (["--max-sequence-length", "2048"], "--max-sequence-length 2048: must be in [1, 1024]"),
+    (["--attention-backend", "flashy"], "--attention-backend flashy: not usable on cpu; choose one of "),
 ], ids=["pools", "tp", "nodes", "port", "idle_tick", "idle_tick_timeout", "kv", "layers", "frontend_replicas",
-        "max_sequence_length"])
+        "max_sequence_length", "attention_backend"])
 def test_bad_flags_are_one_line_before_any_process(argv, message, capsys):
     from tests.helpers import load_job_module
 

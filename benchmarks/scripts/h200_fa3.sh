@@ -19,6 +19,9 @@
 #                   the whole context) on whole 4K and 16K prompts and on 2048-token chunks at
 #                   the end of a 32K context, Llama-3.1-70B's and Nemotron-4-340B's heads per rank
 #                   at TP 1 and 8 (64/8 and 8/1 at head dim 128, 96/8 and 12/1 at 192); TFLOP/s
+#   PART=prompts    the engine on real prompts (no KV fed from outside): bench_served --offline-only,
+#                   8 prompts of 16K tokens, 8 output tokens, 12 of Llama-3.1-70B's layers on the one
+#                   GPU, with each backend (triton, auto): the prompts' attention in the engine
 #   PART=serving-32k the default backend (auto: fa3 from a 32K bound at head dim 128) against
 #                   triton, DP on the one GPU, 12 of Llama-3.1-70B's layers, 32K, B = 16 / 32
 #   PART=serving-192 triton, fa3 and auto at head dim 192: DP on the one GPU, 2 of Nemotron-4-340B's layers
@@ -33,7 +36,7 @@
 # and opened there with
 #   python3 -m zipfile -e .whl_fa3/fa3.zip /tmp/fa3   # FA3_SITE defaults to /tmp/fa3
 # BACKENDS overrides a serving part's backends (each part's own list by default).
-# Usage: OUT=dir [PART="attention pages order prefill serving serving-32k serving-192"] [MODELS="llama nemotron"] [BACKENDS=...] [BATCH=...] [CTX=...] [TP="1 2 8"] bash $0
+# Usage: OUT=dir [PART="attention pages order prefill prompts serving serving-32k serving-192"] [MODELS="llama nemotron"] [BACKENDS=...] [BATCH=...] [CTX=...] [TP="1 2 8"] bash $0
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 FA3_SITE=${FA3_SITE:-/tmp/fa3}
@@ -89,6 +92,13 @@ for part in ${PART:-attention serving}; do
           --configs auto --reps 10 --query-sets 2 --out "$OUT/prefill_${ctx}_$qlen.json" > "$OUT/prefill_${ctx}_$qlen.txt" 2>&1
         echo "prefill ctx $ctx chunk $qlen: exit $?"; grep "^small cases:" "$OUT/prefill_${ctx}_$qlen.txt" | tail -n 1
         tail -n 12 "$OUT/prefill_${ctx}_$qlen.txt" | grep -v "^{"
+      done ;;
+    prompts)
+      for backend in ${BACKENDS:-triton auto}; do
+        timeout -k 5 ${SERVING_TIMEOUT:-240} python -m tknp_megatron.tools.bench_served --device cuda --gpus 1 \
+          --nodes 1 --tp 1 --model llama3.1-70b --layers 12 --requests ${PROMPTS:-8} --prompt-len ${PROMPT_LEN:-16384} \
+          --output-len 8 --passes 2 --offline-only --attention-backend $backend --timeout 230 \
+          --out "$OUT/prompts_$backend.json" 2>&1 | grep -v Warning | tail -n 4
       done ;;
     serving-32k)
       for backend in ${BACKENDS:-triton auto}; do

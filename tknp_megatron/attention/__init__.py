@@ -24,6 +24,7 @@ from tknp_megatron.attention import triton_paged as _triton_paged  # noqa: F401 
 from tknp_megatron.attention.base import AttentionBackend, AttentionMetadata
 from tknp_megatron.attention.registry import (
     available_backends,
+    backend_problem,
     default_backend_name,
     get_backend,
     register_backend,
@@ -49,6 +50,7 @@ __all__ = [
     "AttentionBackend",
     "get_backend",
     "available_backends",
+    "backend_problem",
     "default_backend_name",
     "register_backend",
     # Triton launch helpers

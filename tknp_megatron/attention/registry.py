@@ -13,7 +13,7 @@ import torch
 
 from tknp_megatron.attention.base import AttentionBackend
 
-__all__ = ["register_backend", "get_backend", "available_backends", "default_backend_name"]
+__all__ = ["register_backend", "get_backend", "available_backends", "backend_problem", "default_backend_name"]
 
 DeviceLike = Union[torch.device, str, None]
 
@@ -51,7 +51,7 @@ def register_backend(
 
 def _usable(entry: _Entry, device: torch.device) -> bool:
     try:
-        return bool(entry.available()) and bool(entry.supports(device))
+        return _importable(entry) and bool(entry.supports(device))
     except Exception:  # a broken optional dependency must not break the others
         return False
 
@@ -60,6 +60,34 @@ def available_backends(device: DeviceLike = None) -> List[str]:
     """Names of the registered backends usable on ``device`` (default CPU), sorted."""
     dev = _device(device)
     return sorted(name for name, entry in _REGISTRY.items() if _usable(entry, dev))
+
+
+def backend_problem(name: Optional[str], device: DeviceLike = None) -> Optional[str]:
+    """Why the backend ``name`` cannot run on ``device``, in one line naming the ones that
+    can; None when it can (or ``name`` is None: the device's default). For command lines,
+    to refuse before any process starts.
+
+    On a CUDA device only what needs no CUDA context is checked (the name, the library):
+    under torchrun every rank parses its arguments before it picks its GPU, and asking a
+    device's capability there would open a context on GPU 0 in each of them. Whether the
+    GPU runs it (FA3 needs Hopper) is checked when the engine builds the backend."""
+    if name is None:
+        return None
+    dev = _device(device)
+    if dev.type == "cuda":
+        usable = sorted(n for n, e in _REGISTRY.items() if _importable(e))
+    else:
+        usable = available_backends(dev)
+    if name in usable:
+        return None
+    return f"{name}: not usable on {dev}; choose one of {', '.join(usable)}"
+
+
+def _importable(entry: _Entry) -> bool:
+    try:
+        return bool(entry.available())
+    except Exception:  # a broken optional dependency must not break the others
+        return False
 
 
 def default_backend_name(device: DeviceLike = None) -> str:

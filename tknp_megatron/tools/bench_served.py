@@ -63,6 +63,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the server's HTTP processes (default: Megatron's default)")
     p.add_argument("--no-gc-freeze", action="store_true",
                    help="both paths: do not freeze the engine's heap once built (EngineConfig.freeze_gc)")
+    p.add_argument("--attention-backend", default=None,
+                   help="both paths: the owners' attention backend (default: the device's, auto on CUDA)")
+    p.add_argument("--offline-only", action="store_true",
+                   help="time the offline engine alone (no server): e.g. to compare engine settings")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--passes", type=int, default=3, help="timed passes of each path, after one warm-up")
     p.add_argument("--out", default=None, help="write the results here (JSON)")
@@ -72,6 +76,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.passes < 1:
         p.error(f"--passes {args.passes}: must be at least 1")
+    from tknp_megatron.attention import backend_problem
+
+    if backend_problem(args.attention_backend, args.device):  # before any process starts
+        p.error(f"--attention-backend {backend_problem(args.attention_backend, args.device)}")
     return args
 
 
@@ -101,6 +109,8 @@ def _engine_flags(args) -> list:
         flags += ["--lazy-graph-capture"]
     if args.no_gc_freeze:
         flags += ["--no-gc-freeze"]
+    if args.attention_backend:
+        flags += ["--attention-backend", args.attention_backend]
     return flags
 
 
@@ -119,7 +129,8 @@ def offline_worker(rank: int, world: int, job) -> dict:
     kv = args.kv_tokens_per_node or (4 * preset.gpt.max_sequence_length if args.device == "cpu" else None)
     groups = ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, token_parallel_size=args.nodes)
     config = EngineConfig(kv_tokens_per_node=kv, cuda_graphs=args.cuda_graphs,
-                          capture_at_start=not args.lazy_graph_capture, freeze_gc=not args.no_gc_freeze)
+                          capture_at_start=not args.lazy_graph_capture, freeze_gc=not args.no_gc_freeze,
+                          attention_backend=args.attention_backend)
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     built = time.perf_counter()
     engine = build_engine(Mode.TKNP, preset, groups, config, device, dtype, weights=args.seed)
@@ -307,6 +318,15 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     offline = run_offline(args, prompts)
     print(f"bench_served: offline done ({time.perf_counter() - start:.0f} s)", flush=True)
+    if args.offline_only:
+        tokens = sum(len(t) for t in offline["tokens"])
+        wall = statistics.median(offline["walls"])
+        print(f"offline: {wall:.3f} s, {tokens} tokens, {tokens / wall:.1f} tok/s (median of {args.passes} passes: "
+              + " ".join(f"{w:.3f}" for w in offline["walls"]) + ")")
+        if args.out:
+            Path(args.out).write_text(json.dumps(dict(args=vars(args), offline=dict(
+                wall_s=wall, walls=offline["walls"], tokens=tokens, tok_per_s=tokens / wall)), indent=1))
+        return 0
     served = run_served(args, prompts)
     print(f"bench_served: served done ({time.perf_counter() - start:.0f} s)", flush=True)
     rows = {}

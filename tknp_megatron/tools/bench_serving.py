@@ -87,13 +87,10 @@ def parse_args(argv=None):
         problems.append("--force-dual: only with --modes tknp-dual")
     if args.kv_weight_ratio is not None:
         problems += kv_ratio_problems(args)
-    if args.attention_backend is not None:
-        from tknp_megatron.attention import available_backends
+    from tknp_megatron.attention import backend_problem
 
-        usable = available_backends(args.device)
-        if args.attention_backend not in usable:
-            problems.append(f"--attention-backend {args.attention_backend}: not usable on {args.device}; "
-                            f"choose one of {', '.join(usable)}")
+    if backend_problem(args.attention_backend, args.device):
+        problems.append(f"--attention-backend {backend_problem(args.attention_backend, args.device)}")
     if problems:
         p.error("; ".join(problems))
     if args.kv_weight_ratio is not None:
