@@ -348,3 +348,13 @@ def test_page_orders(order):
     elif order == "interleaved":  # page j of every request before page j + 1 of any
         assert pages == [[0, 3, 6, 9, 11], [1, 4, 7], [2, 5, 8, 10, 12]]
     _check(case, torch.float32, num_splits=2, block_n=16)
+
+
+def test_prefill_tile_per_head_dim_and_overrides():
+    from tknp_megatron.attention.triton_paged import TritonConfig, prefill_tile
+
+    assert prefill_tile(128, TritonConfig()) == (64, 64, 4, 2)
+    assert prefill_tile(192, TritonConfig()) == (128, 64, 8, 3)
+    assert prefill_tile(192, TritonConfig(prefill_rows=32, block_n=32, num_warps=4, num_stages=2)) == (32, 32, 4, 2)
+    with pytest.raises(ValueError, match="prefill_rows must be a power of two >= 16, got 48"):
+        TritonConfig(prefill_rows=48)

@@ -19,10 +19,12 @@ contexts 1K-128K, 16-token pages, both kernels replayed from CUDA graphs and tim
   16 or 64). The Triton kernel masks those slots before it reads them.
 - query chunks (``max_query_len > 1``: prompts, and decode rows stepping with them): FA3
   at every head dim and context. On whole 4K and 16K prompts and on 2048-token chunks at
-  the end of a 32K context it took 0.16-0.43x the Triton kernel's time (650-715 TFLOP/s
-  against 115-265 at the larger shapes; SDPA over contiguous K/V 586-721): the Triton kernel's
-  tiles hold 64 rows, a few query positions times the head group, and gather K and V per
-  token, so each K/V tile feeds few rows and no tensor-memory copy.
+  the end of a 32K context it took 0.16-0.43x the time of the Triton kernel's first prompt
+  tile (650-715 TFLOP/s against 115-265 at the larger shapes; SDPA over contiguous K/V
+  586-721), and about a third of its time at head dim 192 with the tile tuned since
+  (``triton_paged.prefill_tile``): the Triton kernel's tiles hold 64 or 128 rows, a few
+  query positions times the head group, and gather K and V per token, so each K/V tile
+  feeds few rows and no tensor-memory copy.
 - fp32 and head dims FA3 does not take: Triton.
 
 Without FA3 (no library, another torch, not Hopper) every call is Triton's. The choice

@@ -63,11 +63,9 @@ class TritonConfig:
 
     Attributes:
         block_n: context tokens per inner-loop tile (power of two, >= 16); ``None``: per
-            shape (:func:`decode_launch` for decode, 64 for prefill).
-        num_warps: warps per program of the attention kernel (``None``: per shape, 4 for
-            prefill).
-        num_stages: software-pipelining stages of the inner loop (``None``: per shape, 2
-            for prefill).
+            shape (:func:`decode_launch` for decode, :func:`prefill_tile` for prompts).
+        num_warps: warps per program of the attention kernel (``None``: per shape).
+        num_stages: software-pipelining stages of the inner loop (``None``: per shape).
         num_splits: fixed number of KV splits (e.g. for CUDA graphs); ``None`` picks it
             per step with :func:`choose_num_splits`.
         max_splits: upper bound of the heuristic. 256: one request at 128K with one KV
@@ -86,6 +84,8 @@ class TritonConfig:
             plan kernel's few microseconds cost more than balancing saves. ``None``:
             ``BALANCE_MIN_WORK``. An explicit ``balance`` always balances.
         prefill: ``"triton"`` (varlen kernel) or ``"sdpa"`` for ``max_query_len > 1``.
+        prefill_rows: matrix rows of a varlen (prompt) tile, query positions times the
+            head group (power of two >= 16); ``None``: per head dim (:func:`prefill_tile`).
     """
 
     block_n: Optional[int] = None
@@ -98,6 +98,7 @@ class TritonConfig:
     balance: Optional[int] = None
     balance_min_work: Optional[int] = None
     prefill: str = "triton"
+    prefill_rows: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.block_n is not None and (self.block_n < 16 or self.block_n & (self.block_n - 1)):
@@ -112,6 +113,8 @@ class TritonConfig:
             raise ValueError("max_splits, min_split_tokens, waves and balance must be >= 1")
         if self.balance_min_work is not None and self.balance_min_work < 0:
             raise ValueError(f"balance_min_work must be >= 0, got {self.balance_min_work}")
+        if self.prefill_rows is not None and (self.prefill_rows < 16 or self.prefill_rows & (self.prefill_rows - 1)):
+            raise ValueError(f"prefill_rows must be a power of two >= 16, got {self.prefill_rows}")
         if self.prefill not in ("triton", "sdpa"):
             raise ValueError(f"prefill must be 'triton' or 'sdpa', got {self.prefill!r}")
 
@@ -220,6 +223,26 @@ def decode_launch(programs: int, max_kv_len: int, head_dim: int, num_sms: int, c
     return DecodeLaunch(splits, block_n, warps, stages)
 
 
+def prefill_tile(head_dim: int, config: TritonConfig):
+    """``(rows, block_n, num_warps, num_stages)`` of a varlen (prompt) launch; fields set in
+    ``config`` win. Rows are matrix rows of a tile, query positions times the head group.
+
+    - head dim above 128: 128 rows, 64-token tiles, 8 warps, 3 stages. On an H200
+      (``benchmarks/RESULTS.md``, "Prompts") 0.53-0.64x the time of the tile below, on
+      whole 4K and 16K prompts and on 2048-token chunks at the end of a 32K context;
+      128-token tiles run out of shared memory there.
+    - otherwise 64 rows, 64-token tiles, 4 warps, 2 stages. 128 rows took 0.90-0.93x its
+      time on the 32K chunks but 1.00-1.02x on whole prompts, and 1.56x on one 4K prompt
+      with one KV head (half the programs for 132 SMs).
+    """
+    wide = head_dim > 128
+    rows = config.prefill_rows or (128 if wide else 64)
+    tile = (64, 8, 3) if wide else (64, 4, 2)
+    block_n, warps, stages = (given if given is not None else chosen for given, chosen in
+                              zip((config.block_n, config.num_warps, config.num_stages), tile))
+    return rows, block_n, warps, stages
+
+
 def next_pow2(x: int) -> int:
     """Smallest power of two ``>= x`` (1 for ``x <= 1``)."""
     return 1 << max(0, (x - 1).bit_length())
@@ -315,14 +338,15 @@ class TritonPagedBackend(AttentionBackend):
         return self._run(q, k_cache, v_cache, meta, scale, num_req, 1, group_pad, None, launch)
 
     def varlen(self, q, k_cache, v_cache, meta, scale) -> torch.Tensor:
-        """Any query lengths: tiles of ``BLOCK_Q`` rows x the head group (>= 64 matrix rows)."""
+        """Any query lengths: tiles of ``BLOCK_Q`` rows x the head group (:func:`prefill_tile`)."""
         num_kv_heads = k_cache.shape[2]
         group_pad = next_pow2(q.shape[1] // num_kv_heads)
-        block_q = max(1, 64 // group_pad)
-        tile_req, tile_first, num_tiles = _tile_map(meta, q.shape[0], block_q)
         cfg = self.config
+        rows, block_n, warps, stages = prefill_tile(q.shape[2], cfg)
+        block_q = max(1, rows // group_pad)
+        tile_req, tile_first, num_tiles = _tile_map(meta, q.shape[0], block_q)
         splits = choose_num_splits(num_tiles * num_kv_heads, meta.max_seq_len, device_num_sms(q.device), cfg)
-        launch = DecodeLaunch(splits, cfg.block_n or 64, cfg.num_warps or 4, cfg.num_stages or 2)
+        launch = DecodeLaunch(splits, block_n, warps, stages)
         tiles = (tile_req, tile_first)
         return self._run(q, k_cache, v_cache, meta, scale, num_tiles, block_q, group_pad, tiles, launch)
 

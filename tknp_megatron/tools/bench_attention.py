@@ -69,6 +69,8 @@ def parse_args(argv=None):
     p.add_argument("--fa3-variants", nargs="*", default=[],
                    help="FA3 timed again per variant splits[:pack|nopack] (splits 0: its heuristic; "
                         "pack: GQA packing forced on or off), e.g. 1 2 4 0:nopack; JSON fa3_variants")
+    p.add_argument("--prefill-rows", type=int, default=None,
+                   help="triton configs: matrix rows of a prompt tile (TritonConfig.prefill_rows; default 64)")
     p.add_argument("--query-len", type=int, default=1,
                    help="query rows per request (1: decode; more: a prompt chunk ending at the context)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
@@ -308,7 +310,7 @@ def check_triton(env, args, case, qs, row, jobs):
         launch = {} if bn is None else dict(block_n=bn, num_warps=w, num_stages=s)
         backends.append(attn.get_backend("triton", env["device"], waves=waves, num_splits=args.num_splits,
                                          min_split_tokens=args.min_split_tokens, balance=balance, **limits,
-                                         **launch))
+                                         prefill_rows=args.prefill_rows, **launch))
     ref, rows = reference(env, args, case, batch)
     out = backends[0](*case.args())
     row["rel_err"], row["ref_rows"] = rel_err(out[rows], ref), rows.stop - rows.start
