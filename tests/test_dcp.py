@@ -21,6 +21,7 @@ equal to the kernel shard by shard: interpreted, they take three times as long.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import importlib.util
 import os
@@ -115,6 +116,46 @@ def test_lse_merge_equals_full_attention(degree):
         merged = merge_partials(torch.stack(outs), torch.stack(lses))
         assert torch.isfinite(merged).all()
         torch.testing.assert_close(merged, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("budget", [1 << 26, 40])
+def test_prompt_rows_by_request_match_the_row_gather(monkeypatch, budget):
+    """Prompt steps (row spans known): each request's context gathered once, its rows in
+    chunks of a bounded score budget (40 scores: two rows at a time here), give the rows'
+    gather's outputs and LSEs, requests without rows and rows that see nothing included."""
+    gen = torch.Generator().manual_seed(7)
+    heads, kv_heads, d, block, degree, shard = 4, 2, 8, 2, 2, 1
+    ctxs, q_lens = [9, 1, 6, 4], [5, 1, 0, 4]
+    caches = []
+    for ctx in ctxs:
+        k, v = torch.randn(ctx, kv_heads, d, generator=gen), torch.randn(ctx, kv_heads, d, generator=gen)
+        caches.append(_paged_shard(k, v, shard, degree, block, gen))
+    # one pool: request r's blocks after the ones before it
+    k_cache = torch.cat([c[0] for c in caches])
+    v_cache = torch.cat([c[1] for c in caches])
+    offsets = [0]
+    for c in caches:
+        offsets.append(offsets[-1] + c[0].shape[0])
+    width = max(c[2].shape[0] for c in caches)
+    table = torch.zeros(len(ctxs), width, dtype=torch.int32)
+    for r, c in enumerate(caches):
+        table[r, : c[2].shape[0]] = c[2] + offsets[r]
+    row_request = torch.tensor([r for r, n in enumerate(q_lens) for _ in range(n)])
+    positions = torch.tensor([p for ctx, n in zip(ctxs, q_lens) for p in range(ctx - n, ctx)])
+    local = torch.tensor([max(0, -(-(ctx - shard) // degree)) for ctx in ctxs])
+    q = torch.randn(int(sum(q_lens)), heads, d, generator=gen)
+    spans, first = [], 0
+    for n in q_lens:
+        spans.append((first, n))
+        first += n
+    meta = ShardMetadata(row_request=row_request, positions=positions, local_lens=local, block_table=table,
+                         max_local_len=int(local.max()), shard=shard, degree=degree)
+    expected = partial_attention(q, k_cache, v_cache, meta, d ** -0.5)
+    monkeypatch.setattr(dcp_attention, "SCORE_BUDGET", budget)
+    got = partial_attention(q, k_cache, v_cache, dataclasses.replace(meta, row_spans=tuple(spans)), d ** -0.5)
+    assert torch.isinf(expected[1][5]).all()  # request 1's one row, position 0, sees no token of shard 1
+    torch.testing.assert_close(got[0], expected[0], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got[1], expected[1], atol=1e-6, rtol=1e-6)
 
 
 # ---------------------------------------------------------------- unit: Triton decode path

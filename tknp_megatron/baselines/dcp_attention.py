@@ -6,8 +6,11 @@ rank's paged cache therefore holds shard-local positions ``0 .. ceil((L - j) / D
 for shard ``j``, and a query at position ``q`` sees local token ``t`` iff
 ``t * D + j <= q`` (causal over the global sequence).
 
-:func:`partial_attention` is the torch reference (plain, vectorised over rows, fp32) and
-serves every step. :func:`partial_attention_triton` serves pure-decode steps (one query
+:func:`partial_attention` is the torch reference (plain, fp32) and serves every step that
+is not pure decode: vectorised over rows, or, for prompt steps, request by request with
+each request's context read once and its rows in chunks of bounded memory (gathering the
+context per row held ``rows x context x heads x d`` floats: tens to hundreds of GiB for one
+prompt of a few thousand tokens). :func:`partial_attention_triton` serves pure-decode steps (one query
 row per request, its newest token) on CUDA, or on CPU under ``TRITON_INTERPRET=1``: there
 every cached local token is visible, so the shard's partial attention is exactly the
 split-K paged kernel of :mod:`~tknp_megatron.attention.triton_kernels` over the local
@@ -49,6 +52,9 @@ class ShardMetadata:
         degree: D.
         kernel: for a pure-decode step, the Triton kernel's view of it
             (:func:`decode_metadata`), built once per step rather than once per layer.
+        row_spans: host ``(first row, rows)`` of each request, where the step's rows are
+            request by request (prompt steps: :func:`partial_attention` then reads each
+            request's context once and bounds its scores' memory); None: not known.
     """
 
     row_request: torch.Tensor
@@ -59,6 +65,12 @@ class ShardMetadata:
     shard: int
     degree: int
     kernel: Optional[AttentionMetadata] = None
+    row_spans: Optional[Tuple[Tuple[int, int], ...]] = None
+
+
+SCORE_BUDGET = 1 << 26
+"""fp32 scores (rows x heads x local tokens) :func:`partial_attention` holds at once per
+request when it knows the step's row spans (256 MiB)."""
 
 
 def partial_attention(
@@ -75,7 +87,14 @@ def partial_attention(
     Returns:
         ``(out [rows, Hq, d], lse [rows, Hq])`` fp32; a row that sees no local token has
         ``out = 0`` and ``lse = -inf`` (weight 0 in :func:`merge_partials`).
+
+    With ``meta.row_spans`` (prompt steps) each request's context is gathered once and its
+    rows attend in chunks of at most :data:`SCORE_BUDGET` scores; without, every row
+    gathers its request's context (``[rows, L, Hq, d]``: fine for a few rows, far too much
+    for a prompt of thousands).
     """
+    if meta.row_spans is not None:
+        return _partial_attention_by_request(q, k_cache, v_cache, meta, scale)
     rows, heads, d = q.shape
     length = max(meta.max_local_len, 1)
     k = gather_pages(k_cache, meta.block_table, length, meta.local_lens)  # [R, L, Hkv, d]
@@ -95,6 +114,39 @@ def partial_attention(
     total = probs.sum(-1)  # [rows, Hq]
     out = torch.einsum("rhl,rlhd->rhd", probs, v) / total.clamp_min(1e-30)[..., None]
     lse = torch.log(total) + peak[..., 0]  # -inf where nothing is visible
+    return out, lse
+
+
+def _partial_attention_by_request(q, k_cache, v_cache, meta: ShardMetadata, scale: float):
+    """:func:`partial_attention` request by request, rows in chunks (``meta.row_spans``)."""
+    rows, heads, d = q.shape
+    kv_heads = k_cache.shape[2]
+    group = heads // kv_heads
+    length = max(meta.max_local_len, 1)
+    out = torch.zeros(rows, heads, d, dtype=torch.float32, device=q.device)
+    lse = torch.full((rows, heads), float("-inf"), dtype=torch.float32, device=q.device)
+    local = torch.arange(length, device=q.device)
+    chunk = max(1, SCORE_BUDGET // (heads * length))
+    for r, (first, count) in enumerate(meta.row_spans):
+        if count == 0:
+            continue
+        lens = meta.local_lens[r : r + 1]
+        k = gather_pages(k_cache, meta.block_table[r : r + 1], length, lens)[0].float()  # [L, Hkv, d]
+        v = gather_pages(v_cache, meta.block_table[r : r + 1], length, lens)[0].float()
+        for a in range(first, first + count, chunk):
+            b = min(a + chunk, first + count)
+            qc = q[a:b].float().view(b - a, kv_heads, group, d)
+            scores = torch.einsum("ckgd,lkd->ckgl", qc, k).reshape(b - a, heads, length) * scale
+            visible = (local[None, :] < lens) & (local[None, :] * meta.degree + meta.shard
+                                                 <= meta.positions[a:b, None])  # [c, L]
+            scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+            peak = scores.amax(-1, keepdim=True)
+            peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+            probs = torch.exp(scores - peak)
+            total = probs.sum(-1)  # [c, Hq]
+            pv = torch.einsum("ckgl,lkd->ckgd", probs.view(b - a, kv_heads, group, length), v)
+            out[a:b] = pv.reshape(b - a, heads, d) / total.clamp_min(1e-30)[..., None]
+            lse[a:b] = torch.log(total) + peak[..., 0]
     return out, lse
 
 
