@@ -2,9 +2,10 @@
 
 A case is a random paged cache (K and V as views of one ``[2, blocks, block_size, Hkv,
 d]`` buffer, like a layer's slice of the owner's KV buffer), a block table (pages in a
-random order by default, see :data:`PAGE_ORDERS`), query rows and metadata. Cache slots that no request owns (unassigned blocks, the tail
-of each request's last page) can be filled with NaN, so a backend that reads past a
-request's length, even to multiply by a zero weight, is caught.
+random order by default, see :data:`PAGE_ORDERS`), query rows and metadata. Cache slots
+that no request owns (unassigned blocks, the tail of each request's last page) can be
+filled with NaN, so a backend that reads past a request's length, even to multiply by a
+zero weight, is caught.
 """
 
 from __future__ import annotations

@@ -10,9 +10,10 @@ runs an online softmax (base 2) over its slice, reading the block table per toke
 any page size works. A head dim that is not a power of two is read as two column tiles
 of power-of-two widths (192 as 128 + 64, 96 as 64 + 32: :func:`head_dim_tiles`) and each
 ``tl.dot`` runs over both, instead of one tile padded to the next power of two (192 to
-256), whose masked third of every load and dot cost bandwidth and registers. With one split it writes the normalised output directly;
-otherwise it writes the slice's normalised fp32 partial and log2-sum-exp, and
-``_combine_splits_kernel`` (one program per (row, head)) merges the slices.
+256), whose masked third of every load and dot cost bandwidth and registers. With one
+split it writes the normalised output directly; otherwise it writes the slice's
+normalised fp32 partial and log2-sum-exp, and ``_combine_splits_kernel`` (one program
+per (row, head)) merges the slices.
 
 Balanced splits (decode only, :func:`launch_split_plan` first): the slices are cut by
 tokens instead, the same length for every request, so a request gets as many slices as
@@ -32,6 +33,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["head_dim_tiles", "launch_paged_attention", "launch_combine_splits", "launch_split_plan"]
+
 
 def head_dim_tiles(head_dim: int):
     """``(d_lo, d_hi)``: the column tiles the attention kernel reads a head in, powers of two
