@@ -111,11 +111,13 @@ def prepare_dcp_inputs(plan: StepPlan, dcp, kv: PagedKVCache, rope: Rope, device
         (cols.slots, row_req[own], positions[own] // d, row_req, positions, local_lens, own, cu[1:] - 1),
         device,
     )
-    starts = cu.tolist()  # host: the plan's rows are request by request
+    spans = None
+    if not decode:  # host: the plan's rows are request by request
+        starts = cu.tolist()
+        spans = tuple((a, b - a) for a, b in zip(starts, starts[1:]))
     attn = ShardMetadata(
         row_request=row_req, positions=positions, local_lens=local_lens,
-        block_table=kv.block_table[slots], max_local_len=max_local, shard=j, degree=d,
-        row_spans=None if decode else tuple(zip(starts[:-1], (b - a for a, b in zip(starts, starts[1:])))),
+        block_table=kv.block_table[slots], max_local_len=max_local, shard=j, degree=d, row_spans=spans,
     )
     if decode:
         attn = dataclasses.replace(attn, kernel=decode_metadata(attn))
