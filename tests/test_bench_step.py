@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -24,3 +26,25 @@ def test_bench_step_dry_run(tmp_path):
         assert row["graph_ms"] > 0 and row["critical_ms"] > 0
         assert set(row["phases_ms_by_rank"][0]) == {
             "root_qkv", "scatter", "attention", "gather", "root_proj_mlp", "handoff"}
+
+
+def test_kernels_are_told_apart_and_the_gap_is_named_part_by_part():
+    from tknp_megatron.analysis.roofline import StepParts
+    from tknp_megatron.tools.bench_step import kernel_kind, roofline_gap
+
+    names = {  # names as CUPTI reports them on an H200
+        "_paged_attn_kernel": "attention", "_combine_splits_kernel": "attention",
+        "void flash::prepare_varlen_num_blocks_kernel<1, 16, true>(int, int, int, int const*)": "attention",
+        "void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<...> > >": "attention",
+        "nvjet_tst_128x64_64x8_2x1_v_bz_coopA_NNT": "gemm", "sm90_xmma_gemm_bf16bf16_bf16f32": "gemm",
+        "void splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>(...)": "gemm",
+        "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)": "nccl",
+        "_rms_norm_kernel": "other", "_rope_append_kernel": "other",
+    }
+    assert {n: kernel_kind(n) for n in names} == names
+    row = dict(graph_ms=10.0, busy_ms=9.5, kind_ms=dict(attention=6.0, gemm=3.0, nccl=0.0, other=0.5))
+    gap = roofline_gap(row, StepParts(gemm=2.5e-3, allreduce=0.0, attention=5.5e-3, exchange=0.0, logits=0.25e-3))
+    assert gap["step"] == dict(measured_ms=10.0, roofline_ms=pytest.approx(8.25))
+    assert gap["gemm"]["roofline_ms"] == pytest.approx(2.75) and gap["idle"]["measured_ms"] == pytest.approx(0.5)
+    excess = sum(v["measured_ms"] - v["roofline_ms"] for k, v in gap.items() if k != "step")
+    assert excess == pytest.approx(10.0 - 8.25)  # the parts account for the whole gap

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tknp_megatron.analysis.roofline import H200, dense_gemm_s, predicted_step_s
+from tknp_megatron.analysis.roofline import H200, dense_gemm_s, predicted_step_s, tknp_step_parts
 from tknp_megatron.config import get_preset
 
 L70 = get_preset("llama3.1-70b")
@@ -30,6 +30,18 @@ def test_tknp_eight_layers_matches_hand_count():
     logits = 478e-6 * (2 * 128256 * 8192) / H200.dense_ref_bytes
     expected = 8 * (478e-6 + kv / 4.3e12 + exch) + logits
     assert predicted_step_s("tknp", p, 2, 1, 64, 32768) == pytest.approx(expected)
+    parts = tknp_step_parts(p, 2, 1, 64, 32768)  # what a profile of the step is held against
+    assert parts.gemm == pytest.approx(8 * 478e-6) and parts.logits == pytest.approx(logits)
+    assert parts.attention == pytest.approx(8 * kv / 4.3e12) and parts.exchange == pytest.approx(8 * exch)
+    assert parts.allreduce == 0 and parts.total == pytest.approx(expected)
+
+
+def test_dp_is_a_one_node_pool_per_replica():
+    p = L70.replace(num_layers=8)
+    one = tknp_step_parts(p, 1, 1, 32, 32768)
+    assert one.exchange == 0
+    assert predicted_step_s("dp", p, 2, 1, 64, 32768) == pytest.approx(one.total)
+    assert predicted_step_s("tknp", p, 1, 1, 32, 32768) == pytest.approx(one.total)
 
 
 def test_dual_root_pays_dense_twice_and_splits_attention():

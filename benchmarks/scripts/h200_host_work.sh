@@ -14,10 +14,10 @@ ARGS="--device cuda --model llama3.1-70b --layers 4 --gpu-memory-gib 40 --output
   --modes tknp dp tp pp dcp --cuda-graphs --contexts 8192 --batches 64 ${EXTRA:-}"
 export PYTHONUNBUFFERED=1
 echo "== after"
-PYTHONPATH=$PWD:${SITE:-} timeout -k 5 ${RUN_TIMEOUT:-280} $TR -m tknp_megatron.tools.bench_serving $ARGS \
+PYTHONPATH=$PWD:${SITE:-}${PYTHONPATH:+:$PYTHONPATH} timeout -k 5 ${RUN_TIMEOUT:-280} $TR -m tknp_megatron.tools.bench_serving $ARGS \
   --out "$OUT/after" 2>&1 | grep -E "^ +(mode|TKNP|DP|TP|PP|DCP|TKNP-MQA) "
 if [ -n "${BEFORE:-}" ]; then
   echo "== before"
-  (cd "$BEFORE" && PYTHONPATH=$PWD:${SITE:-} timeout -k 5 ${RUN_TIMEOUT:-280} $TR -m tknp_megatron.tools.bench_serving \
+  (cd "$BEFORE" && PYTHONPATH=$PWD:${SITE:-}${PYTHONPATH:+:$PYTHONPATH} timeout -k 5 ${RUN_TIMEOUT:-280} $TR -m tknp_megatron.tools.bench_serving \
     $ARGS --out "$OUT/before") 2>&1 | grep -E "^ +(mode|TKNP|DP|TP|PP|DCP|TKNP-MQA) "
 fi

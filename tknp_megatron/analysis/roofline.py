@@ -33,11 +33,11 @@ non-root GPUs' idle time during dense work) is below this model's resolution.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from tknp_megatron.config import ModelPreset
 
-__all__ = ["Hardware", "H100", "H200", "dense_gemm_s", "predicted_step_s"]
+__all__ = ["Hardware", "H100", "H200", "StepParts", "dense_gemm_s", "predicted_step_s", "tknp_step_parts"]
 
 
 @dataclass(frozen=True)
@@ -131,6 +131,45 @@ def _logits_s(hw: Hardware, preset: ModelPreset, rows: float, tp: int) -> float:
     return dense_gemm_s(hw, rows, 2.0 * preset.vocab_size * preset.hidden_size / tp)
 
 
+@dataclass(frozen=True)
+class StepParts:
+    """A TKNP (or DP) decode step's roofline, summed over its layers, in seconds: what a
+    profile of the step is held against, part by part.
+
+    Attributes:
+        gemm: the layers' dense GEMMs (calibrated cuBLAS times at the batch).
+        allreduce: intra-node TP's two all-reduces per layer.
+        attention: the owner's KV read at ``Hardware.kv_bw``.
+        exchange: the root <-> owner exchanges (none with one node).
+        logits: the vocabulary GEMM.
+    """
+
+    gemm: float
+    allreduce: float
+    attention: float
+    exchange: float
+    logits: float
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+
+def tknp_step_parts(preset: ModelPreset, nodes: int, tp: int, batch: float, context: float,
+                    hw: Hardware = H200, weight_elem: float = 2.0) -> StepParts:
+    """The parts of :func:`predicted_step_s` for ``tknp`` over ``nodes`` nodes of ``tp`` GPUs
+    (one node: DP's replica, TP within it), ``batch`` requests at ``context`` tokens."""
+    L, hkv = preset.num_layers, preset.num_query_groups
+    w = _layer_weight_bytes(preset, weight_elem)
+    per_owner = batch / nodes
+    across = nodes * tp > hw.gpus_per_host
+    exch = _exchange_s(hw, preset, per_owner, tp, across) if nodes > 1 else 0.0
+    return StepParts(
+        gemm=L * dense_gemm_s(hw, batch, w / tp), allreduce=L * 2 * _allreduce_s(hw, batch, preset, tp),
+        attention=L * _kv_bytes(preset, per_owner * context, hkv / tp) / hw.kv_bw,
+        exchange=L * exch, logits=_logits_s(hw, preset, batch, tp))
+
+
 def predicted_step_s(
     mode: str,
     preset: ModelPreset,
@@ -152,12 +191,7 @@ def predicted_step_s(
     nodes = world // tp
     across = world > hw.gpus_per_host
     if mode == "tknp":
-        per_owner = batch / nodes
-        exch = _exchange_s(hw, preset, per_owner, tp, across)
-        layer = (dense_gemm_s(hw, batch, w / tp) + 2 * _allreduce_s(hw, batch, preset, tp)
-                 + _kv_bytes(preset, per_owner * context, hkv / tp) / hw.kv_bw
-                 + (exch if nodes > 1 else 0.0))
-        return L * layer + _logits_s(hw, preset, batch, tp)
+        return tknp_step_parts(preset, nodes, tp, batch, context, hw, weight_elem).total
     if mode == "tknp-dual":
         # two microbatches half a layer apart: per half-phase the busiest node is a root
         # running one microbatch's dense work and its own share of the other's attention
@@ -176,11 +210,8 @@ def predicted_step_s(
         dense = dense_gemm_s(hw, batch / 2, w / tp) + 2 * _allreduce_s(hw, batch / 2, preset, tp)
         attn = _kv_bytes(preset, per_owner * context, hkv / tp) / hw.kv_bw
         return L * max(dense + attn + exch, 2 * attn) + _logits_s(hw, preset, batch / 2, tp)
-    if mode == "dp":
-        b = batch / nodes
-        layer = (dense_gemm_s(hw, b, w / tp) + 2 * _allreduce_s(hw, b, preset, tp)
-                 + _kv_bytes(preset, b * context, hkv / tp) / hw.kv_bw)
-        return L * layer + _logits_s(hw, preset, b, tp)
+    if mode == "dp":  # a replica per node, each a one-node TKNP pool with its share of the batch
+        return tknp_step_parts(preset, 1, tp, batch / nodes, context, hw, weight_elem).total
     if mode in ("tp", "dcp"):
         heads = hkv / world if mode == "dcp" or world <= hkv else 1.0  # TP replicates past Hkv
         layer = (dense_gemm_s(hw, batch, w / world) + 2 * _allreduce_s(hw, batch, preset, world)

@@ -43,7 +43,6 @@ from tknp_megatron.executor.dense import finish_layer, qkv_projection
 
 __all__ = ["DenseRow", "read_bandwidth", "dense_row", "main"]
 
-_GEMM_MARKS = ("gemm", "xmma", "cutlass", "nvjet", "cublas", "wgmma", "sm90")
 
 
 @dataclass(frozen=True)
@@ -128,8 +127,9 @@ def _linears(block, hidden, attn, fc2_in):
 
 
 def _is_gemm(name: str) -> bool:
-    low = name.lower()
-    return any(m in low for m in _GEMM_MARKS)
+    from tknp_megatron.tools.bench_step import kernel_kind
+
+    return kernel_kind(name) == "gemm"
 
 
 def dense_row(name: str, preset, block, config, tp_group, tp: int, batch: int, reps: int,

@@ -244,20 +244,62 @@ def kernel_rows(fn, reps: int = 5) -> list:
     return sorted(rows, key=lambda r: -r["us"])
 
 
+KERNEL_KINDS = ("attention", "gemm", "nccl", "other")
+_ATTENTION_MARKS = ("attn", "flash", "_combine_splits", "_split_plan")
+_GEMM_MARKS = ("gemm", "xmma", "cutlass", "nvjet", "cublas", "wgmma", "sm90", "splitkreduce")
+
+
+def kernel_kind(name: str) -> str:
+    """Which part of a step a GPU kernel is, by its name: ``attention`` (the paged kernels,
+    Triton's or FlashAttention's, their split merge and plan), ``gemm`` (cuBLAS / CUTLASS,
+    split-K reductions), ``nccl``, or ``other`` (norms, RoPE and the KV append, activation,
+    residual adds, casts, sampling). Attention first: FlashAttention 3's kernels carry
+    ``Sm90`` too."""
+    low = name.lower()
+    if any(m in low for m in _ATTENTION_MARKS):
+        return "attention"
+    if any(m in low for m in _GEMM_MARKS):
+        return "gemm"
+    return "nccl" if "nccl" in low else "other"
+
+
 def kernel_profile(fn, reps: int = 5, top: int = 14) -> dict:
-    """GPU kernels of ``fn`` (a graphed step): busy time per step and the top kernels.
+    """GPU kernels of ``fn`` (a graphed step): busy time per step, per :func:`kernel_kind`,
+    and the top kernels.
 
     ``busy_ms`` sums kernel durations per step (NCCL kernels include their wait for the
     peer); graph step time minus busy time is GPU idle time (launch gaps, host).
     """
     rows = kernel_rows(fn, reps)
-    return dict(busy_ms=sum(r["us"] for r in rows) / 1e3,
+    kinds = dict.fromkeys(KERNEL_KINDS, 0.0)
+    for r in rows:
+        kinds[kernel_kind(r["name"])] += r["us"] / 1e3
+    return dict(busy_ms=sum(r["us"] for r in rows) / 1e3, kind_ms=kinds,
                 kernels=[dict(name=r["name"][:90], ms=round(r["us"] / 1e3, 4), calls=r["calls"])
                          for r in rows[:top]])
 
 
-def summarize(rows_by_rank, layers: int) -> list:
-    """Combine ranks: critical path and exposed communication share per shape."""
+def roofline_gap(row: dict, parts) -> dict:
+    """A profiled step against its roofline (:class:`~tknp_megatron.analysis.roofline.StepParts`),
+    part by part, in ms: per :func:`kernel_kind`, the kernels' time on rank 0 and the
+    roofline's for that part (GEMMs against the calibrated GEMMs and the logits, attention
+    against the KV read at the calibrated bandwidth, NCCL against the all-reduces and
+    exchanges; other kernels and the GPU's idle time have none), so the step's excess over
+    its roofline is named part by part."""
+    kinds = row["kind_ms"]
+    roof = dict(attention=parts.attention, gemm=parts.gemm + parts.logits,
+                nccl=parts.allreduce + parts.exchange, other=0.0)
+    gap = {k: dict(measured_ms=kinds[k], roofline_ms=1e3 * roof[k]) for k in KERNEL_KINDS}
+    gap["idle"] = dict(measured_ms=row["graph_ms"] - row["busy_ms"], roofline_ms=0.0)
+    gap["step"] = dict(measured_ms=row["graph_ms"], roofline_ms=1e3 * parts.total)
+    return gap
+
+
+def summarize(rows_by_rank, layers: int, preset=None) -> list:
+    """Combine ranks: critical path and exposed communication share per shape, and where
+    rank 0 was profiled, its step against the roofline (:func:`roofline_gap`)."""
+    from tknp_megatron.analysis.roofline import tknp_step_parts
+
     out = []
     for shape_rows in zip(*rows_by_rank):
         r0 = dict(shape_rows[0])
@@ -270,6 +312,9 @@ def summarize(rows_by_rank, layers: int) -> list:
                   phases_ms_by_rank=[r["phases_ms"] for r in shape_rows],
                   busy_ms_by_rank=[r.get("busy_ms") for r in shape_rows])
         r0.pop("phases_ms", None)
+        if "kind_ms" in r0 and preset is not None:
+            parts = tknp_step_parts(preset, len(shape_rows), 1, r0["B"], r0["ctx"])
+            r0["roofline"] = roofline_gap(r0, parts)
         out.append(r0)
     return out
 
@@ -293,7 +338,7 @@ def main():
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, rows)
     if dist.get_rank() == 0:
-        table = summarize(gathered, args.layers)
+        table = summarize(gathered, args.layers, preset)
         report = dict(model=args.model, layers=args.layers, nodes=n, tp=1,
                       placement=placement.describe(), graph_tokens_equal_eager=same,
                       fused_elementwise=ex.fusion is not None,
@@ -318,6 +363,16 @@ def main():
                       f" of {r['graph_ms']:.2f} ms")
                 for k in r["kernels"]:
                     print(f"    {k['ms']:8.3f} ms  x{k['calls']:<6.0f} {k['name']}")
+            if "roofline" in r:
+                gap = r["roofline"]
+                step = gap["step"]
+                print(f"B={r['B']} ctx={r['ctx']} against the roofline: step {step['measured_ms']:.2f} ms, "
+                      f"roofline {step['roofline_ms']:.2f} ms ({step['measured_ms'] / step['roofline_ms']:.3f}x); "
+                      f"excess by part (measured - roofline, ms):")
+                for part, v in gap.items():
+                    if part != "step":
+                        print(f"    {part:10s} {v['measured_ms']:8.3f} - {v['roofline_ms']:8.3f} = "
+                              f"{v['measured_ms'] - v['roofline_ms']:+8.3f}")
         sys.stdout.flush()
     dist.barrier()
     os._exit(0)  # NCCL teardown after capturing P2P can hang: skip it, the report is written
