@@ -12,6 +12,10 @@ fed in step n + 1 take their step-n token on the device. A request that
 ends with its end-of-sequence token at step n is already in step n + 1; that step's row
 for it is discarded (its KV write lands in its own, just-freed blocks, before any later
 admission's writes in stream order).
+
+In steady decode (the batch the queued plan was built from, nothing admitted, every
+request fed its in-flight token) the next plan is derived from the queued one
+(:func:`~tknp_megatron.plan.next_decode_plan`) instead of read from every request.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from tknp_megatron.executor.tknp import TKNPExecutor
 from tknp_megatron.host_to_device import HostCopy
 from tknp_megatron.kv_cache import PagedKVCache
 from tknp_megatron.models.model import StageModel
-from tknp_megatron.plan import StepPlan, build_plan
+from tknp_megatron.plan import StepPlan, build_plan, next_decode_plan
 
 __all__ = [
     "Arrival", "EngineConfig", "GenerationResult", "InferenceEngine", "LockstepEngine",
@@ -46,6 +50,7 @@ class LockstepEngine(InferenceEngine):
 
     def __init__(self, *args, **kwargs):
         self._inflight: Optional[tuple] = None  # (plan, output, HostCopy) queued, not booked
+        self._queued_batch: tuple = ()  # the requests the queued plan was built from
         super().__init__(*args, **kwargs)
 
     @property
@@ -77,17 +82,20 @@ class LockstepEngine(InferenceEngine):
             req.microbatch = self._microbatch_for(req)
         queued = None
         if result.batch:
-            plan = build_plan(
-                self._step, result.batch, result.admissions, len(self.block_counts),
-                self.config.record_logits, self.config.microbatches,
-            )
+            plan = next_decode_plan(self._step, self.queued_plan, self._queued_batch, result.batch,
+                                    result.admissions)
+            if plan is None:
+                plan = build_plan(
+                    self._step, result.batch, result.admissions, len(self.block_counts),
+                    self.config.record_logits, self.config.microbatches,
+                )
             self._step += 1
             self._broadcast([plan])
             self._send_ingested_kv(plan)  # before the owners' receives in execute
             out = self.executor.execute(plan)
             queued = (plan, out, HostCopy(out.tokens))
         finished = self._book_keep(*self._inflight) if self._inflight else []
-        self._inflight = queued
+        self._inflight, self._queued_batch = queued, result.batch
         if queued is not None:
             self.scheduler.mark_in_flight(queued[0])
         timing = self.loop_timing

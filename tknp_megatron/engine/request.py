@@ -151,19 +151,24 @@ class Request:
 
     def book_token(self, token: int, rows: int, now: float,
                    logits: Optional[torch.Tensor] = None, log_prob: Optional[float] = None,
-                   top: Sequence[Tuple[int, float]] = ()) -> None:
+                   top: Sequence[Tuple[int, float]] = ()) -> bool:
         """A step's result: its ``rows`` fed tokens are cached and ``token`` was generated
         (``logits`` ``[vocab]``, if recorded, are kept on the host; ``log_prob`` and the
-        ``top`` ``(id, log-prob)`` pairs are kept when the request asked for them)."""
+        ``top`` ``(id, log-prob)`` pairs are kept when the request asked for them). Returns
+        :meth:`finished` (answered from ``token`` itself where it can: the scheduler books
+        every running request every step)."""
         self.inflight_rows = 0
         self.num_cached += rows
-        self.generated.append(token)
+        gen, p = self.generated, self.params
+        gen.append(token)
         if logits is not None:
             self.logits.append(logits.cpu())
-        if self.params.return_log_probs and log_prob is not None:
+        if p.return_log_probs and log_prob is not None:
             self.log_probs.append(log_prob)
-            self.top_log_probs.append(tuple(top[: self.params.top_n_logprobs]))
+            self.top_log_probs.append(tuple(top[: p.top_n_logprobs]))
         self.timeline.record_token(now)
+        return len(gen) >= p.max_new_tokens or token == p.eos_id or (
+            bool(p.stop_sequences) and self.finish_reason() is not None)
 
     def complete(self, now: float) -> None:
         """Done (:meth:`finished`); the scheduler releases its blocks."""

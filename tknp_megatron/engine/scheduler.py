@@ -215,13 +215,12 @@ class Scheduler:
         them), and complete and release those that are done. Returns the ids that finished."""
         finished, live = [], self._live
         cols = plan.per_request
-        for i, (rid, rows) in enumerate(zip(cols.request_ids.tolist(), cols.q_lens.tolist())):
+        for i, (rid, rows, token) in enumerate(zip(cols.request_ids.tolist(), cols.q_lens.tolist(), tokens)):
             req = live.get(rid)
             if req is None:  # ended (EOS or a stop sequence) one step earlier
                 continue
             lp, top = (None, ()) if log_probs is None else log_probs.row(i)
-            req.book_token(tokens[i], rows, now, None if logits is None else logits[i], lp, top)
-            if req.finished():
+            if req.book_token(token, rows, now, None if logits is None else logits[i], lp, top):
                 req.complete(now)
                 self.finish(req)
                 finished.append(rid)
