@@ -11,15 +11,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_bench_step_dry_run(tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])  # two nodes (TKNP), one node of TP2 (TP)
+def test_bench_step_dry_run(tmp_path, tp):
     out = tmp_path / "bench_step.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "-m", "tknp_megatron.tools.bench_step", "--dry-run", "--model", "tiny", "--layers", "4",
            "--batches", "4", "8", "--contexts", "32", "--reps", "1", "--block-size", "4",
-           "--out", str(out)]
+           "--tp", str(tp), "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
+    assert (report["nodes"], report["tp"]) == (2 // tp, tp)
     assert report["graph_tokens_equal_eager"] is True
     assert [r["B"] for r in report["rows"]] == [4, 8]
     for row in report["rows"]:

@@ -1,18 +1,21 @@
 """TKNP decode-step benchmark on GPUs: per-layer phases, graphs vs eager.
 
-Run under torchrun, one process per GPU (N nodes x T=1)::
+Run under torchrun, one process per GPU (N nodes x ``--tp`` T GPUs)::
 
     torchrun --nproc-per-node 2 tknp_megatron/tools/bench_step.py --layers 8 --out $OUT/bench_step.json
 
 A Llama-3.1-70B-geometry layer stack (``--layers`` of its 80 layers, random bf16
 weights) is placed over N nodes; each owner holds B/N requests at ``ctx`` tokens of
-(synthetic) KV. For each (B, ctx) it reports:
+(synthetic) KV. One node is DP's replica (T = 1) or a TP group (``--tp`` = the process
+count). For each (B, ctx) it reports:
   * step time eager and from a CUDA graph (median of ``--reps``),
   * eager per-phase time on each rank (root QKV, scatter, attention, gather,
     root proj+MLP, handoff; from CUDA events in the executor),
   * compute-only critical path = layers x (dense(B) + attention(B/N, ctx)) + logits,
     each timed alone on this GPU in a CUDA graph, and the exposed communication share
-    = 1 - critical path / graph step time.
+    = 1 - critical path / graph step time,
+  * with ``--profile``, the graphed step's GPU kernels, grouped and held against the
+    roofline's parts (:func:`roofline_gap`).
 It also checks that graph replay gives the same tokens as eager steps. Results print as
 a table and go to ``--out`` as JSON.
 """
@@ -39,6 +42,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="llama3.1-70b")
     p.add_argument("--layers", type=int, default=8, help="layers of the preset to stack")
+    p.add_argument("--tp", type=int, default=1, help="GPUs per node (TP within each node's root)")
     p.add_argument("--batches", type=int, nargs="+", default=[16, 64, 128])
     p.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
     p.add_argument("--block-size", type=int, default=16)
@@ -73,7 +77,9 @@ def setup(args):
     from tknp_megatron.executor.tknp import TKNPExecutor
     from tknp_megatron.kv_cache import KVCacheSpec, PagedKVCache
 
-    groups = ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    if dist.get_world_size() % args.tp:
+        raise SystemExit(f"bench_step: --tp {args.tp} does not divide the {dist.get_world_size()} processes")
+    groups = ps.initialize_model_parallel(tensor_model_parallel_size=args.tp)
     cuda = not args.dry_run
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -86,7 +92,7 @@ def setup(args):
     blocks_per_req = -(-max(args.contexts) // args.block_size) + 1
     spec = KVCacheSpec(
         num_layers=preset.num_layers, num_blocks=per_owner * blocks_per_req,
-        block_size=args.block_size, local_kv_heads=preset.local_kv_heads(1),
+        block_size=args.block_size, local_kv_heads=preset.local_kv_heads(args.tp),
         head_dim=preset.kv_channels, dtype=dtype, max_slots=per_owner,
         max_blocks_per_seq=blocks_per_req,
     )
@@ -295,9 +301,9 @@ def roofline_gap(row: dict, parts) -> dict:
     return gap
 
 
-def summarize(rows_by_rank, layers: int, preset=None) -> list:
-    """Combine ranks: critical path and exposed communication share per shape, and where
-    rank 0 was profiled, its step against the roofline (:func:`roofline_gap`)."""
+def summarize(rows_by_rank, layers: int, preset=None, tp: int = 1) -> list:
+    """Combine ranks (``tp`` per node): critical path and exposed communication share per
+    shape, and where rank 0 was profiled, its step against the roofline (:func:`roofline_gap`)."""
     from tknp_megatron.analysis.roofline import tknp_step_parts
 
     out = []
@@ -313,7 +319,7 @@ def summarize(rows_by_rank, layers: int, preset=None) -> list:
                   busy_ms_by_rank=[r.get("busy_ms") for r in shape_rows])
         r0.pop("phases_ms", None)
         if "kind_ms" in r0 and preset is not None:
-            parts = tknp_step_parts(preset, len(shape_rows), 1, r0["B"], r0["ctx"])
+            parts = tknp_step_parts(preset, len(shape_rows) // tp, tp, r0["B"], r0["ctx"])
             r0["roofline"] = roofline_gap(r0, parts)
         out.append(r0)
     return out
@@ -338,8 +344,8 @@ def main():
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, rows)
     if dist.get_rank() == 0:
-        table = summarize(gathered, args.layers, preset)
-        report = dict(model=args.model, layers=args.layers, nodes=n, tp=1,
+        table = summarize(gathered, args.layers, preset, args.tp)
+        report = dict(model=args.model, layers=args.layers, nodes=n, tp=args.tp,
                       placement=placement.describe(), graph_tokens_equal_eager=same,
                       fused_elementwise=ex.fusion is not None,
                       gpu=torch.cuda.get_device_name() if not args.dry_run else "cpu (dry run)",
