@@ -207,3 +207,47 @@ def test_a_sequence_limit_below_the_models():
         EngineConfig(max_sequence_length=2048).sequence_limit(get_preset("tiny"))
     with pytest.raises(ValueError, match="max_sequence_length 0: must be at least 1"):
         EngineConfig(max_sequence_length=0)
+
+
+def derived_plans_worker(rank: int, world: int, derive: bool) -> dict:
+    """A tiny TKNP engine (graphs on the CPU's bucketed path) serving requests that end at
+    different steps, one of them sampled: their tokens, and how many plans were derived
+    from the one before (``derive``; with ``derive`` False every plan is built)."""
+    import parallel_state as ps
+    from tknp_megatron.config import get_preset
+    from tknp_megatron.engine import engine as engine_module
+    from tknp_megatron.sampling import SamplingParams
+
+    derived = []
+    real = engine_module.next_decode_plan
+
+    def counted(*args):
+        plan = real(*args) if derive else None
+        derived.append(plan is not None)
+        return plan
+
+    engine_module.next_decode_plan = counted
+    groups = ps.initialize_model_parallel(tensor_model_parallel_size=1, token_parallel_size=1)
+    try:
+        config = EngineConfig(kv_tokens_per_node=512, cuda_graphs=True)
+        engine = build_engine(Mode.TKNP, get_preset("tiny"), groups, config, torch.device("cpu"), torch.float32)
+        params = [SamplingParams(max_new_tokens=n) for n in (12, 7, 9)]
+        params.append(SamplingParams(max_new_tokens=12, temperature=0.8, top_k=20, seed=3))
+        results = engine.generate([[1, 2, 3], [4, 5], [6] * 9, [7, 8, 9, 10]], params)
+        return dict(tokens=[list(r.tokens) for r in results], derived=sum(derived), plans=len(derived))
+    finally:
+        engine_module.next_decode_plan = real
+        ps.destroy_model_parallel()
+
+
+def test_steady_decode_plans_are_derived_and_change_no_token():
+    """In steady decode the engine derives each plan from the queued one
+    (plan.next_decode_plan): the requests' tokens, greedy and seeded sampling, are the ones
+    of plans built request by request every step."""
+    from tknp_megatron.launch import spawn
+
+    quick = spawn(derived_plans_worker, 1, (True,), timeout_s=180)[0]
+    built = spawn(derived_plans_worker, 1, (False,), timeout_s=180)[0]
+    assert built["derived"] == 0 and quick["plans"] == built["plans"]
+    assert quick["derived"] >= 5  # the steps between admissions and the requests' ends
+    assert quick["tokens"] == built["tokens"] and [len(t) for t in quick["tokens"]] == [12, 7, 9, 12]
