@@ -50,3 +50,7 @@ def test_kernels_are_told_apart_and_the_gap_is_named_part_by_part():
     assert gap["gemm"]["roofline_ms"] == pytest.approx(2.75) and gap["idle"]["measured_ms"] == pytest.approx(0.5)
     excess = sum(v["measured_ms"] - v["roofline_ms"] for k, v in gap.items() if k != "step")
     assert excess == pytest.approx(10.0 - 8.25)  # the parts account for the whole gap
+    # with the replay timed alone, the idle time splits into the host's part and the gaps
+    gap = roofline_gap(dict(row, replay_ms=9.7), StepParts(2.5e-3, 0.0, 5.5e-3, 0.0, 0.25e-3))
+    assert gap["host"]["measured_ms"] == pytest.approx(0.3) and gap["idle"]["measured_ms"] == pytest.approx(0.2)
+    assert sum(v["measured_ms"] for k, v in gap.items() if k != "step") == pytest.approx(10.0)

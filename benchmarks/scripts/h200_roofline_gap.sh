@@ -3,7 +3,9 @@
 # graphed step of Llama-3.1-70B's layers on NPROC GPUs (1: DP's replica, or TKNP's one node; 2: a
 # TKNP pool of two nodes, or with TP=2 one node of TP2, TP's layout), its GPU kernels grouped
 # into attention, GEMMs, NCCL and the rest, each held against the roofline's part
-# (analysis.roofline.tknp_step_parts), and the GPU's idle time.
+# (analysis.roofline.tknp_step_parts), and the GPU's idle time, split into the host's work
+# before the graph's replay (the step's inputs; the engine overlaps it with the step before)
+# and the gaps inside the replay (the replay timed alone; the 2026-12-04 run predates it).
 # Shapes: 4 layers at B = 64 and 128 x 32K and B = 64 x 64K (the roofline rows' shapes; the step of
 # 4 layers has every part of a 12-layer one per layer, the logits once), then 12 layers at B = 16
 # and 64 x 32K (the older kernel-profile table's shapes). KV pages are in order per request.
