@@ -29,6 +29,8 @@ __all__ = [
     "convert_and_run",
     "save_gpt_checkpoint",
     "load_job_module",
+    "lockstep_plans",
+    "mixed_requests",
 ]
 
 
@@ -245,3 +247,48 @@ def load_job_module(name: str = "run_tknp_decode"):
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+def lockstep_plans(requests, nodes: int, steps: int) -> list:
+    """The coordinator's loop (``LockstepEngine._lead`` without a GPU) over ``requests`` on
+    ``nodes`` owners: plan step n + 1 while step n is in flight, then book step n with
+    made-up tokens (100 + step + row). Per step ``(built, derived)``: the plan built request by
+    request (``build_plan``) and the one derived from the step before
+    (``next_decode_plan``; None where it declines), as the engine runs them."""
+    from tknp_megatron.engine.scheduler import Scheduler, SchedulerConfig
+    from tknp_megatron.kv_cache import BlockAllocator
+    from tknp_megatron.plan import build_plan, next_decode_plan
+
+    sched = Scheduler(SchedulerConfig(max_requests_per_node=64), [BlockAllocator(64, 16)] * nodes, lambda: 0.0)
+    for r in requests:
+        sched.enqueue(r)
+    inflight, inflight_batch, out = None, (), []
+    for n in range(steps):
+        result = sched.schedule()
+        if not result.batch:
+            break
+        built = build_plan(n, result.batch, result.admissions, nodes)
+        derived = next_decode_plan(n, inflight, inflight_batch, result.batch, result.admissions)
+        out.append((built, derived))
+        plan = derived or built
+        if inflight is not None:
+            sched.postprocess(inflight, [100 + n + i for i in range(inflight.num_requests)], None, float(n))
+        inflight, inflight_batch = plan, result.batch
+        sched.mark_in_flight(plan)
+    return out
+
+
+def mixed_requests() -> list:
+    """Seven requests for :func:`lockstep_plans`: prompts of outside KV (one row each at
+    first) and of none (whole prompts), lengths that end at different steps, greedy and
+    sampled, and one that ends on its end-of-sequence id (its row in the step already
+    queued is then dropped)."""
+    from tknp_megatron.engine.request import Request, RequestTimeline
+    from tknp_megatron.sampling import SamplingParams
+
+    reqs = []
+    for i in range(7):
+        params = SamplingParams(max_new_tokens=10 + 6 * (i % 3), temperature=0.5 * (i % 2), top_k=i % 3, seed=i,
+                                eos_id=112 if i == 5 else None)  # lockstep_plans' tokens: 100 + step + row
+        reqs.append(Request(i, list(range(20 + i)), params, RequestTimeline(0.0), synthetic_kv=i if i % 4 else None))
+    return reqs

@@ -14,6 +14,8 @@ from tknp_megatron.engine.request import Request, RequestTimeline
 from tknp_megatron.plan import Admission, RequestColumns, StepPlan, build_plan
 from tknp_megatron.sampling import SamplingParams
 
+from tests.helpers import lockstep_plans, mixed_requests
+
 
 def _requests(n: int, nodes: int, inflight: bool):
     out = []
@@ -179,56 +181,18 @@ def test_padding_requests_take_each_columns_pad_value():
         RequestColumns.empty().take(torch.tensor([-1, 0]))
 
 
-def _lockstep(requests, nodes, steps):
-    """The coordinator's loop over a fixed batch (LockstepEngine._lead without a GPU): plan
-    step n + 1 while step n is in flight, then book step n with made-up tokens. Each plan is
-    built request by request and also derived from the plan before (:func:`next_decode_plan`),
-    which must give the same plan or decline. Returns the plans and how many were derived."""
-    from tknp_megatron.engine.scheduler import Scheduler, SchedulerConfig
-    from tknp_megatron.kv_cache import BlockAllocator
-    from tknp_megatron.plan import next_decode_plan
-
-    sched = Scheduler(SchedulerConfig(max_requests_per_node=64), [BlockAllocator(64, 16)] * nodes, lambda: 0.0)
-    for r in requests:
-        sched.enqueue(r)
-    inflight, inflight_batch, derived, plans = None, (), 0, []
-    for n in range(steps):
-        result = sched.schedule()
-        if not result.batch:
-            break
-        built = build_plan(n, result.batch, result.admissions, nodes)
-        quick = next_decode_plan(n, inflight, inflight_batch, result.batch, result.admissions)
-        if quick is not None:
-            _assert_same(quick, built)
-            derived += 1
-        plans.append(built)
-        if inflight is not None:
-            tokens = [100 + n + i for i in range(inflight.num_requests)]
-            sched.postprocess(inflight, tokens, None, float(n))
-        inflight, inflight_batch = built, result.batch
-        sched.mark_in_flight(built)
-    return plans, derived
-
-
-def _mixed_requests():
-    """Prompts of outside KV (one row each at first) and of none (whole prompts), lengths
-    that end at different steps, and one request that ends on its end-of-sequence id (its
-    row in the step already queued is then dropped)."""
-    reqs = []
-    for i in range(7):
-        params = SamplingParams(max_new_tokens=10 + 6 * (i % 3), temperature=0.5 * (i % 2), top_k=i % 3, seed=i,
-                                eos_id=112 if i == 5 else None)  # _lockstep's tokens: 100 + step + row
-        reqs.append(Request(i, list(range(20 + i)), params, RequestTimeline(0.0), synthetic_kv=i if i % 4 else None))
-    return reqs
-
-
 @pytest.mark.parametrize("nodes", [1, 2])
 def test_a_steady_decode_plan_derived_from_the_last_is_the_one_built(nodes):
     # the derivation must hold on every steady step, and decline wherever the batch or its
     # rows changed (admissions, whole prompts, requests ending)
-    plans, derived = _lockstep(_mixed_requests(), nodes, 40)
+    steps = lockstep_plans(mixed_requests(), nodes, 40)
+    for built, derived in steps:
+        if derived is not None:
+            assert derived.follows_previous and not built.follows_previous
+            _assert_same(dataclasses.replace(derived, follows_previous=False), built)
+    derived = sum(d is not None for _, d in steps)
     assert derived >= 12
-    assert len(plans) > derived + 3  # the steps around admissions and ends were built
+    assert len(steps) > derived + 3  # the steps around admissions and ends were built
 
 
 def test_bench_host_times_the_built_and_the_derived_plan(capsys):

@@ -1,5 +1,7 @@
 """A step's row layout: which request and position each query row has."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -67,3 +69,36 @@ def test_packed_host_tensors_are_views_of_one_buffer_per_dtype():
     with pytest.raises(ValueError, match="packed inputs of 2 torch.float32 values"):
         StaticInputs([torch.zeros(3), torch.zeros(1, dtype=torch.int64)], torch.device("cpu")).copy_(
             pack([np.zeros(2, np.float32), np.arange(1)]))
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_a_derived_plans_padded_inputs_are_derived_from_the_last(nodes, monkeypatch):
+    """padded_step: for a plan that follows_previous, the padded plan and each node's host
+    inputs advanced from the previous step's are what pad_plan and host_inputs give."""
+    from tknp_megatron.executor import step_inputs
+    from tknp_megatron.executor.step_inputs import padded_step
+    from tests.helpers import lockstep_plans, mixed_requests
+
+    advanced = []
+    real_advance = step_inputs._advance
+    monkeypatch.setattr(step_inputs, "_advance", lambda *a: advanced.append(1) or real_advance(*a))
+    plans = [derived or built for built, derived in lockstep_plans(mixed_requests(), nodes, 40)]
+    followers = sum(p.follows_previous for p in plans)
+    assert followers >= 12
+    for node in range(nodes):
+        chain = None
+        for plan in plans:
+            fresh = padded_step(plan, node, dummy_slot=63)
+            chain = padded_step(plan, node, dummy_slot=63, previous=chain)
+            assert chain.step == plan.step and torch.equal(chain.index, fresh.index)
+            assert (chain.real == fresh.real).all()
+            for f in dataclasses.fields(fresh.padded.per_request):
+                assert torch.equal(getattr(chain.padded.per_request, f.name), getattr(fresh.padded.per_request, f.name))
+            assert torch.equal(chain.padded.tokens, fresh.padded.tokens)
+            assert chain.padded.requests_per_owner == fresh.padded.requests_per_owner
+            a, b = chain.host, fresh.host
+            assert (a.shape, a.max_query_len, a.max_seq_len, a.feeds_previous) == \
+                (b.shape, b.max_query_len, b.max_seq_len, b.feeds_previous)
+            for name, x, y in zip(a.tensors._fields, a.tensors, b.tensors):
+                assert torch.equal(x, y), (plan.step, node, name)
+    assert len(advanced) == nodes * followers  # every such plan's inputs were derived

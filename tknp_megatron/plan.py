@@ -176,6 +176,9 @@ class StepPlan:
     ``log_probs_top_n`` is -1 when no request of the step asks for log-probs, else the
     largest ``top_n_logprobs`` among those that do (the last root returns that many top
     tokens for every row). ``idle`` marks a plan with nothing to run (:meth:`idle_plan`).
+    ``follows_previous`` marks a plan derived from the plan of step ``step - 1`` by
+    :func:`next_decode_plan` (the same requests, one position further), so that every rank
+    can derive what it computes from that plan too (``executor/step_inputs.padded_step``).
     """
 
     step: int
@@ -190,6 +193,7 @@ class StepPlan:
     microbatches: Tuple["StepPlan", ...] = ()
     log_probs_top_n: int = -1
     idle: bool = False
+    follows_previous: bool = False
 
     @classmethod
     def idle_plan(cls, num_nodes: int) -> "StepPlan":
@@ -283,8 +287,11 @@ def next_decode_plan(step: int, previous: Optional[StepPlan], previous_batch: Se
     one, its in-flight token sits at the same row of ``previous``'s output, and every other
     column is what it was. The same numbers :func:`build_plan` computes one request at a
     time (checked against it in the tests), in two vector adds: at a few hundred requests
-    the per-request reads were about a fifth of the coordinator's work per step.
+    the per-request reads were about a fifth of the coordinator's work per step. ``step``
+    must be ``previous.step + 1`` (the plan is marked ``follows_previous``).
     """
+    if previous is not None and step != previous.step + 1:
+        raise ValueError(f"next_decode_plan: step {step} does not follow step {previous.step}")
     if (admissions or previous is None or previous.microbatches or previous.prev_token_index is None
             or len(batch) != previous.num_requests or previous.num_rows != len(batch)):
         return None
@@ -295,7 +302,7 @@ def next_decode_plan(step: int, previous: Optional[StepPlan], previous_batch: Se
     cols = previous.per_request
     per_request = replace(cols, start_pos=torch.from_numpy(cols.start_pos.numpy() + 1),
                           sample_steps=torch.from_numpy(cols.sample_steps.numpy() + 1))
-    return replace(previous, step=step, admissions=(), per_request=per_request)
+    return replace(previous, step=step, admissions=(), per_request=per_request, follows_previous=True)
 
 
 _LONG_FIELDS = ("tokens", "prev_token_index")  # the plan's own int64 tensors

@@ -61,7 +61,7 @@ from tknp_megatron.executor.dense import finish_layer, qkv_projection, vocab_log
 from tknp_megatron.executor.dense_fusion import DenseFusion, dense_fusion_for
 from tknp_megatron.executor.ingest import Admitter, KVSlice
 from tknp_megatron.executor.rope import Rope
-from tknp_megatron.executor.step_inputs import GraphStep, host_inputs, pad_plan
+from tknp_megatron.executor.step_inputs import GraphStep, PaddedStep, padded_step
 from tknp_megatron.executor.tknp import draw_tokens
 from tknp_megatron.kv_cache import KVCacheSpec, PagedKVCache
 from tknp_megatron.models.precision import dense_autocast
@@ -160,6 +160,7 @@ class DCPExecutor:
         self.last_tokens = None  # [R] previous step's tokens (device)
         self.graphs = None  # set by enable_cuda_graphs
         self.graph_last: Optional[torch.Tensor] = None  # graphs: the previous step's tokens, fixed
+        self._padded: Optional[PaddedStep] = None  # graphs: the last step's padded plan and inputs
         self.plan_owners = 1  # a plan's owners: one node holds every request
 
     def enable_cuda_graphs(self, max_requests_per_owner: int = 0) -> None:
@@ -205,12 +206,12 @@ class DCPExecutor:
         ``max_seq_len`` is the cache's longest sequence in its own blocks' tokens: for a
         shard's cache (blocks of ``B / D`` tokens) the longest shard-local length. The
         previous step's tokens go to the fixed buffer the captured body reads."""
-        padded, index = pad_plan(plan, self.kv.dummy_slot)
-        host = host_inputs(padded, 0, pin=self.device.type == "cuda")
+        self._padded = padded_step(plan, 0, self.kv.dummy_slot, self.device.type == "cuda", self._padded)
+        host = self._padded.host
         check_dcp_decode(host, self.dcp, max_seq_len)
         if last_tokens is not None:
             self.graph_last[: last_tokens.shape[0]].copy_(last_tokens)
-        return host.shape, GraphStep(host, max_seq_len), index
+        return host.shape, GraphStep(host, max_seq_len), self._padded.index
 
     def graph_forward(self, step: GraphStep) -> torch.Tensor:
         """The captured body: the step's device inputs, the layers and sampling; ``[R_padded]`` tokens."""

@@ -24,9 +24,9 @@ from tknp_megatron.plan import StepPlan, take_rows
 from tknp_megatron.sampling import SamplingTensors
 
 __all__ = [
-    "GraphStep", "HostInputs", "RowLayout", "StepHost", "StepInputs", "StepShape", "bucket",
-    "device_inputs", "feed_previous", "host_inputs", "pad_plan", "plan_sampling", "prepare_inputs", "row_layout",
-    "step_tokens",
+    "GraphStep", "HostInputs", "PaddedStep", "RowLayout", "StepHost", "StepInputs", "StepShape", "bucket",
+    "device_inputs", "feed_previous", "host_inputs", "pad_plan", "padded_step", "plan_sampling", "prepare_inputs",
+    "row_layout", "step_tokens",
 ]
 
 
@@ -334,6 +334,62 @@ def bucket(n: int, multiple: int = 8) -> int:
         if n <= b:
             return b
     return -(-n // multiple) * multiple
+
+
+@dataclass(frozen=True, eq=False)
+class PaddedStep:
+    """A pure-decode plan padded to its graph bucket and one rank's host inputs of it
+    (:func:`padded_step`).
+
+    Attributes:
+        step: the plan's step.
+        padded: the padded plan (:func:`pad_plan`).
+        index: ``[R]`` the place of each real request in the padded batch.
+        real: ``[R_padded]`` int64, 1 at a real request, 0 at a padding one.
+        host: the rank's :class:`HostInputs` of ``padded``.
+    """
+
+    step: int
+    padded: StepPlan
+    index: torch.Tensor
+    real: np.ndarray
+    host: HostInputs
+
+
+def padded_step(plan: StepPlan, node: int, dummy_slot: int, pin: bool = False,
+                previous: Optional[PaddedStep] = None) -> PaddedStep:
+    """``plan`` padded (:func:`pad_plan`) and node ``node``'s :func:`host_inputs` of it.
+
+    A plan that ``follows_previous`` (:func:`~tknp_megatron.plan.next_decode_plan`: the
+    plan of step ``step - 1`` with each request one position further) is derived from
+    ``previous``, that plan's :class:`PaddedStep`, where it is one: the same padding, each
+    real request's position, context length and sample index one further, every other
+    input as it was. Three vector adds and a pack instead of the padding and the inputs'
+    arithmetic (the tests check it gives what :func:`pad_plan` and :func:`host_inputs` do).
+    """
+    if plan.follows_previous and previous is not None and previous.step == plan.step - 1:
+        return _advance(previous, node, pin)
+    padded, index = pad_plan(plan, dummy_slot)
+    real = np.zeros(padded.num_requests, dtype=np.int64)
+    real[index.numpy()] = 1
+    return PaddedStep(plan.step, padded, index, real, host_inputs(padded, node, pin))
+
+
+def _advance(previous: PaddedStep, node: int, pin: bool) -> PaddedStep:
+    """:func:`padded_step` of the plan after ``previous.padded``'s, one position further."""
+    real, cols = previous.real, previous.padded.per_request
+    padded = dataclasses.replace(
+        previous.padded, step=previous.step + 1, follows_previous=True,
+        per_request=dataclasses.replace(cols, start_pos=torch.from_numpy(cols.start_pos.numpy() + real),
+                                        sample_steps=torch.from_numpy(cols.sample_steps.numpy() + real)))
+    lo, hi = padded.request_range(node)
+    own = real[lo:hi]  # a decode step: one row per request, so rows and requests align
+    was = previous.host.tensors
+    arrays = StepHost(*(t.numpy() for t in was))._replace(
+        seq_lens=was.seq_lens.numpy() + own, positions=was.positions.numpy() + own, steps=was.steps.numpy() + real)
+    host = dataclasses.replace(previous.host, packed=pack(tuple(arrays), pin),
+                               max_seq_len=int(arrays.seq_lens.max()) if hi > lo else 0)
+    return PaddedStep(previous.step + 1, padded, previous.index, real, host)
 
 
 def pad_plan(plan: StepPlan, dummy_slot: int, size: Optional[int] = None) -> Tuple[StepPlan, torch.Tensor]:

@@ -29,7 +29,7 @@ from tknp_megatron.executor.dense_fusion import DenseFusion
 from tknp_megatron.executor.ingest import Admitter, KVIngest, KVSlice
 from tknp_megatron.executor.owner_attention import OwnerAttention
 from tknp_megatron.executor.rope import Rope
-from tknp_megatron.executor.step_inputs import GraphStep, StepInputs, host_inputs, pad_plan, prepare_inputs
+from tknp_megatron.executor.step_inputs import GraphStep, PaddedStep, StepInputs, padded_step, prepare_inputs
 from tknp_megatron.kv_cache import PagedKVCache
 from tknp_megatron.models.model import StageModel
 from tknp_megatron.models.precision import dense_autocast
@@ -100,6 +100,7 @@ class TKNPExecutor:
         self.plan_owners = groups.num_nodes  # a plan's owners: every node
         self.last_tokens: Optional[torch.Tensor] = None  # [R] previous step's tokens (device)
         self.graph_last: Optional[torch.Tensor] = None  # graphs: the previous step's tokens, fixed
+        self._padded: Optional[PaddedStep] = None  # graphs: the last step's padded plan and inputs
 
     def enable_cuda_graphs(self, max_requests_per_owner: int = 0) -> None:
         """Replay pure-decode steps from CUDA graphs (per ownership-layout bucket); with
@@ -158,11 +159,11 @@ class TKNPExecutor:
         """For :class:`~tknp_megatron.executor.cuda_graphs.DecodeGraphs`: ``(layout key, host
         inputs of the padded plan, [R] index of each real request in the padded batch)``.
         The previous step's tokens go to the fixed buffer the captured body reads."""
-        padded, index = pad_plan(plan, self.kv.dummy_slot)
-        step = GraphStep(host_inputs(padded, self.node, pin=self.device.type == "cuda"), max_seq_len)
+        self._padded = padded_step(plan, self.node, self.kv.dummy_slot, self.device.type == "cuda", self._padded)
+        step = GraphStep(self._padded.host, max_seq_len)
         if last_tokens is not None:
             self.graph_last[: last_tokens.shape[0]].copy_(last_tokens)
-        return step.key, step, index
+        return step.key, step, self._padded.index
 
     def graph_forward(self, step: GraphStep) -> torch.Tensor:
         """The captured body: the step's device inputs, the layers and sampling; ``[R_padded]`` tokens."""
