@@ -201,3 +201,17 @@ def test_bench_host_times_the_built_and_the_derived_plan(capsys):
     assert bench_host.main(["--batch", "12", "--context", "256", "--nodes", "2", "--reps", "2"]) == 0
     out = capsys.readouterr().out
     assert "next_decode_plan" in out and "steady decode" in out
+
+
+def test_host_profile_wraps_pieces_that_exist():
+    """benchmarks/scripts/host_profile.py wraps the step's pieces by name: each must still be
+    there (run in its own process: the wrapping patches the classes)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "scripts" / "host_profile.py"
+    code = ("import importlib.util as u; s = u.spec_from_file_location('host_profile', %r); "
+            "m = u.module_from_spec(s); s.loader.exec_module(m)" % str(script))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

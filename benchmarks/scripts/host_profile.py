@@ -39,9 +39,10 @@ def wrap(owner, name, label=None):
 
 for owner, name in [
     (ee.LockstepEngine, "_lead"), (eb.InferenceEngine, "_release_due"), (es.Scheduler, "schedule"),
-    (ee, "build_plan"), (eb.InferenceEngine, "_broadcast"), (ee.LockstepEngine, "_send_ingested_kv"),
+    (ee, "build_plan"), (ee, "next_decode_plan"), (eb.InferenceEngine, "_broadcast"), (ee.LockstepEngine, "_send_ingested_kv"),
     (tx.TKNPExecutor, "execute"), (tx.TKNPExecutor, "apply_admissions"), (cg.DecodeGraphs, "run"),
-    (tx.TKNPExecutor, "graph_inputs"), (tx, "pad_plan"), (tx, "host_inputs"), (si.GraphStep, "copy_"),
+    (tx.TKNPExecutor, "graph_inputs"), (tx, "padded_step"), (si, "pad_plan"), (si, "host_inputs"),
+    (si, "_advance"), (si.GraphStep, "copy_"),
     (torch.cuda.CUDAGraph, "replay"), (h2d.HostCopy, "__init__"), (h2d.HostCopy, "result"),
     (eb.InferenceEngine, "_book_keep"), (es.Scheduler, "postprocess"), (es.Scheduler, "mark_in_flight"),
     (es.StepLogProbs, "read"),
