@@ -347,6 +347,7 @@ class PaddedStep:
         index: ``[R]`` the place of each real request in the padded batch.
         real: ``[R_padded]`` int64, 1 at a real request, 0 at a padding one.
         host: the rank's :class:`HostInputs` of ``padded``.
+        arrays: ``host``'s vectors as numpy arrays (what the next step's are derived from).
     """
 
     step: int
@@ -354,6 +355,7 @@ class PaddedStep:
     index: torch.Tensor
     real: np.ndarray
     host: HostInputs
+    arrays: StepHost
 
 
 def padded_step(plan: StepPlan, node: int, dummy_slot: int, pin: bool = False,
@@ -366,13 +368,15 @@ def padded_step(plan: StepPlan, node: int, dummy_slot: int, pin: bool = False,
     real request's position, context length and sample index one further, every other
     input as it was. Three vector adds and a pack instead of the padding and the inputs'
     arithmetic (the tests check it gives what :func:`pad_plan` and :func:`host_inputs` do).
+    The padded plan itself is derived alongside (two more adds), for callers that read it.
     """
     if plan.follows_previous and previous is not None and previous.step == plan.step - 1:
         return _advance(previous, node, pin)
     padded, index = pad_plan(plan, dummy_slot)
     real = np.zeros(padded.num_requests, dtype=np.int64)
     real[index.numpy()] = 1
-    return PaddedStep(plan.step, padded, index, real, host_inputs(padded, node, pin))
+    host = host_inputs(padded, node, pin)
+    return PaddedStep(plan.step, padded, index, real, host, StepHost(*(t.numpy() for t in host.tensors)))
 
 
 def _advance(previous: PaddedStep, node: int, pin: bool) -> PaddedStep:
@@ -384,12 +388,11 @@ def _advance(previous: PaddedStep, node: int, pin: bool) -> PaddedStep:
                                         sample_steps=torch.from_numpy(cols.sample_steps.numpy() + real)))
     lo, hi = padded.request_range(node)
     own = real[lo:hi]  # a decode step: one row per request, so rows and requests align
-    was = previous.host.tensors
-    arrays = StepHost(*(t.numpy() for t in was))._replace(
-        seq_lens=was.seq_lens.numpy() + own, positions=was.positions.numpy() + own, steps=was.steps.numpy() + real)
-    host = dataclasses.replace(previous.host, packed=pack(tuple(arrays), pin),
+    was = previous.arrays  # the other vectors are shared as they are (never written)
+    arrays = was._replace(seq_lens=was.seq_lens + own, positions=was.positions + own, steps=was.steps + real)
+    host = dataclasses.replace(previous.host, packed=pack(arrays, pin),
                                max_seq_len=int(arrays.seq_lens.max()) if hi > lo else 0)
-    return PaddedStep(previous.step + 1, padded, previous.index, real, host)
+    return PaddedStep(previous.step + 1, padded, previous.index, real, host, arrays)
 
 
 def pad_plan(plan: StepPlan, dummy_slot: int, size: Optional[int] = None) -> Tuple[StepPlan, torch.Tensor]:
