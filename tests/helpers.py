@@ -278,6 +278,48 @@ def lockstep_plans(requests, nodes: int, steps: int) -> list:
     return out
 
 
+def booked_plans(requests, microbatches: int, steps: int) -> list:
+    """PP's coordinator loop (``PPInferenceEngine._lead`` without a GPU) over ``requests``
+    in ``microbatches``: each tick books microbatch m's step in flight with made-up tokens
+    (100 + step + row), then plans m's next step, fed from the host. Per tick that plans
+    ``(built, derived)``: the plan built request by request and the one derived from m's
+    plan before with the tokens just booked (None where it declines)."""
+    from tknp_megatron.engine.scheduler import Scheduler, SchedulerConfig
+    from tknp_megatron.kv_cache import BlockAllocator
+    from tknp_megatron.plan import build_plan, next_decode_plan
+
+    sched = Scheduler(SchedulerConfig(max_requests_per_node=64), [BlockAllocator(64, 16)], lambda: 0.0)
+    for r in requests:
+        sched.enqueue(r)
+    awaiting, last, out, step = [None] * microbatches, [(None, ())] * microbatches, [], 0
+    for tick in range(steps):
+        m = tick % microbatches
+        booked = None
+        if awaiting[m] is not None:
+            plan, awaiting[m] = awaiting[m], None
+            booked = [100 + plan.step + i for i in range(plan.num_requests)]
+            sched.postprocess(plan, booked, None, float(tick))
+        result = sched.schedule()
+        for req in result.admitted:
+            req.microbatch = -1
+        for req in result.admitted:
+            sizes = [sum(r.microbatch == k for reqs in sched.running for r in reqs) for k in range(microbatches)]
+            req.microbatch = min(range(microbatches), key=lambda k: (sizes[k], k))
+        batch = [r for r in result.batch if r.microbatch == m]
+        if not batch and not result.admissions:
+            if not any(awaiting) and not sched.waiting and not any(sched.running):
+                break
+            continue
+        step += 1
+        built = build_plan(step, batch, result.admissions, 1)
+        derived = None if booked is None else next_decode_plan(step, *last[m], batch, result.admissions, booked)
+        out.append((built, derived))
+        plan = derived or built
+        last[m] = (plan, tuple(batch))
+        awaiting[m] = plan if plan.num_requests else None
+    return out
+
+
 def mixed_requests() -> list:
     """Seven requests for :func:`lockstep_plans`: prompts of outside KV (one row each at
     first) and of none (whole prompts), lengths that end at different steps, greedy and

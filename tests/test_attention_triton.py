@@ -358,3 +358,21 @@ def test_prefill_tile_per_head_dim_and_overrides():
     assert prefill_tile(192, TritonConfig(prefill_rows=32, block_n=32, num_warps=4, num_stages=2)) == (32, 32, 4, 2)
     with pytest.raises(ValueError, match="prefill_rows must be a power of two >= 16, got 48"):
         TritonConfig(prefill_rows=48)
+
+
+def test_kernel_split_summarizes_a_kernel_profile():
+    """benchmarks/scripts/kernel_split.py reads bench_attention --kernel-profile's JSON (the
+    H200 run committed under benchmarks/attention_h200x1/kernels/) and names each column's
+    kernels: the Triton launch's plan, attention and merge apart."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    data = root / "benchmarks" / "attention_h200x1" / "kernels" / "kernels_128.json"
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "scripts" / "kernel_split.py"), str(data)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "B=128 ctx=32768 8/1/128" in out
+    assert "_paged_attn" in out and "_combine_splits" in out and "_split_plan" in out and "FlashAttnFwdSm90" in out

@@ -209,45 +209,59 @@ def test_a_sequence_limit_below_the_models():
         EngineConfig(max_sequence_length=0)
 
 
-def derived_plans_worker(rank: int, world: int, derive: bool) -> dict:
-    """A tiny TKNP engine (graphs on the CPU's bucketed path) serving requests that end at
-    different steps, one of them sampled: their tokens, and how many plans were derived
-    from the one before (``derive``; with ``derive`` False every plan is built)."""
+def derived_plans_worker(rank: int, world: int, derive: bool, mode: str = "tknp") -> dict:
+    """A tiny engine of ``mode`` (TKNP, or PP over ``world`` stages; graphs on the CPU's
+    bucketed path) serving requests that end at different steps, one of them sampled:
+    their tokens, how many plans were derived from the one before (``derive``; with
+    ``derive`` False every plan is built) and how many padded steps were derived."""
     import parallel_state as ps
+    from tknp_megatron.baselines import pp as pp_module
     from tknp_megatron.config import get_preset
     from tknp_megatron.engine import engine as engine_module
+    from tknp_megatron.executor import step_inputs
     from tknp_megatron.sampling import SamplingParams
 
-    derived = []
-    real = engine_module.next_decode_plan
+    derived, advanced = [], []
+    where = pp_module if mode == "pp" else engine_module  # the module whose name the loop calls
+    real, real_advance = where.next_decode_plan, step_inputs._advance
 
     def counted(*args):
         plan = real(*args) if derive else None
         derived.append(plan is not None)
         return plan
 
-    engine_module.next_decode_plan = counted
-    groups = ps.initialize_model_parallel(tensor_model_parallel_size=1, token_parallel_size=1)
+    where.next_decode_plan = counted
+    step_inputs._advance = lambda *a: advanced.append(1) or real_advance(*a)
+    groups = ps.initialize_model_parallel(tensor_model_parallel_size=1, token_parallel_size=world)
     try:
         config = EngineConfig(kv_tokens_per_node=512, cuda_graphs=True)
-        engine = build_engine(Mode.TKNP, get_preset("tiny"), groups, config, torch.device("cpu"), torch.float32)
+        engine = build_engine(Mode(mode), get_preset("tiny"), groups, config, torch.device("cpu"), torch.float32)
         params = [SamplingParams(max_new_tokens=n) for n in (12, 7, 9)]
         params.append(SamplingParams(max_new_tokens=12, temperature=0.8, top_k=20, seed=3))
-        results = engine.generate([[1, 2, 3], [4, 5], [6] * 9, [7, 8, 9, 10]], params)
-        return dict(tokens=[list(r.tokens) for r in results], derived=sum(derived), plans=len(derived))
+        prompts = [[1, 2, 3], [4, 5], [6] * 9, [7, 8, 9, 10]]
+        results = engine.generate(prompts, params)  # every rank: the coordinator leads, the others follow
+        return dict(tokens=[list(r.tokens) for r in results], derived=sum(derived), plans=len(derived),
+                    advanced=len(advanced))
     finally:
-        engine_module.next_decode_plan = real
+        where.next_decode_plan, step_inputs._advance = real, real_advance
         ps.destroy_model_parallel()
 
 
-def test_steady_decode_plans_are_derived_and_change_no_token():
+@pytest.mark.parametrize("mode,world", [("tknp", 1), ("pp", 1), ("pp", 2)])
+def test_steady_decode_plans_are_derived_and_change_no_token(mode, world):
     """In steady decode the engine derives each plan from the queued one
-    (plan.next_decode_plan): the requests' tokens, greedy and seeded sampling, are the ones
-    of plans built request by request every step."""
+    (plan.next_decode_plan), and PP's loop each microbatch's plan from its plan before and
+    the tokens just booked; every rank derives the padded inputs alike: the requests'
+    tokens, greedy and seeded sampling, are the ones of plans built request by request
+    every step."""
     from tknp_megatron.launch import spawn
 
-    quick = spawn(derived_plans_worker, 1, (True,), timeout_s=180)[0]
-    built = spawn(derived_plans_worker, 1, (False,), timeout_s=180)[0]
+    quick_ranks = spawn(derived_plans_worker, world, (True, mode), timeout_s=180)
+    built_ranks = spawn(derived_plans_worker, world, (False, mode), timeout_s=180)
+    quick, built = quick_ranks[0], built_ranks[0]
     assert built["derived"] == 0 and quick["plans"] == built["plans"]
     assert quick["derived"] >= 5  # the steps between admissions and the requests' ends
+    # every rank (each PP stage) derived each derived plan's padded inputs too
+    assert [r["advanced"] for r in quick_ranks] == [quick["derived"]] * world
+    assert [r["advanced"] for r in built_ranks] == [0] * world
     assert quick["tokens"] == built["tokens"] and [len(t) for t in quick["tokens"]] == [12, 7, 9, 12]

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from tknp_megatron.engine.request import Request, RequestTimeline
-from tknp_megatron.plan import Admission, RequestColumns, StepPlan, build_plan
+from tknp_megatron.plan import Admission, RequestColumns, StepPlan, build_plan, next_decode_plan
 from tknp_megatron.sampling import SamplingParams
 
-from tests.helpers import lockstep_plans, mixed_requests
+from tests.helpers import booked_plans, lockstep_plans, mixed_requests
 
 
 def _requests(n: int, nodes: int, inflight: bool):
@@ -188,11 +188,38 @@ def test_a_steady_decode_plan_derived_from_the_last_is_the_one_built(nodes):
     steps = lockstep_plans(mixed_requests(), nodes, 40)
     for built, derived in steps:
         if derived is not None:
-            assert derived.follows_previous and not built.follows_previous
-            _assert_same(dataclasses.replace(derived, follows_previous=False), built)
+            assert derived.follows == derived.step - 1 and built.follows == -1
+            _assert_same(dataclasses.replace(derived, follows=-1), built)
     derived = sum(d is not None for _, d in steps)
     assert derived >= 12
     assert len(steps) > derived + 3  # the steps around admissions and ends were built
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_a_decode_plan_fed_the_booked_tokens_derives_as_built(microbatches):
+    # PP's loop: a microbatch's step is booked, then its next one planned, fed from the host
+    steps = booked_plans(mixed_requests(), microbatches, 60)
+    for built, derived in steps:
+        if derived is not None:
+            assert built.prev_token_index is None and built.follows == -1
+            assert derived.step - microbatches <= derived.follows < derived.step  # the microbatch's plan before
+            _assert_same(dataclasses.replace(derived, follows=-1), built)
+    derived = sum(d is not None for _, d in steps)
+    assert derived >= 12
+    assert len(steps) > derived + 3
+
+
+def test_next_decode_plan_declines_what_it_cannot_derive():
+    reqs = _requests(3, 1, False)
+    for r in reqs:  # decoding: one token generated and booked
+        r.generated, r.num_cached = [1], len(r.prompt)
+    plan = build_plan(4, reqs, (), 1)  # fed from the host
+    assert next_decode_plan(5, plan, reqs, reqs, (), booked=[7, 8, 9]).tokens.tolist() == [7, 8, 9]
+    assert next_decode_plan(5, plan, reqs, reqs, ()) is None  # no token in flight to take
+    assert next_decode_plan(5, plan, reqs, reqs, (), booked=[7, 8]) is None  # a token short
+    assert next_decode_plan(5, plan, reqs, reqs[::-1], (), booked=[7, 8, 9]) is None  # another order
+    with pytest.raises(ValueError, match="step 4 does not come after step 4"):
+        next_decode_plan(4, plan, reqs, reqs, (), booked=[7, 8, 9])
 
 
 def test_bench_host_times_the_built_and_the_derived_plan(capsys):
@@ -215,3 +242,20 @@ def test_host_profile_wraps_pieces_that_exist():
             "m = u.module_from_spec(s); s.loader.exec_module(m)" % str(script))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("mode", ["dp", "pp"])
+def test_host_step_cpu_times_steady_steps(mode):
+    """benchmarks/scripts/host_step_cpu.py (the coordinator's host work per step on a CPU,
+    the RESULTS figures of DP and PP) runs and reports its median."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "scripts" / "host_step_cpu.py"), "4",
+                           *(["pp"] if mode == "pp" else [])], capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"{mode} B=4 host work per step: median" in proc.stdout

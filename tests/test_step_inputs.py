@@ -71,10 +71,24 @@ def test_packed_host_tensors_are_views_of_one_buffer_per_dtype():
             pack([np.zeros(2, np.float32), np.arange(1)]))
 
 
+def _assert_padded_alike(chain, fresh, where):
+    assert chain.step == fresh.step and torch.equal(chain.index, fresh.index)
+    assert (chain.real == fresh.real).all()
+    for f in dataclasses.fields(fresh.padded.per_request):
+        assert torch.equal(getattr(chain.padded.per_request, f.name), getattr(fresh.padded.per_request, f.name))
+    assert torch.equal(chain.padded.tokens, fresh.padded.tokens)
+    assert chain.padded.requests_per_owner == fresh.padded.requests_per_owner
+    a, b = chain.host, fresh.host
+    assert (a.shape, a.max_query_len, a.max_seq_len, a.feeds_previous) == \
+        (b.shape, b.max_query_len, b.max_seq_len, b.feeds_previous)
+    for name, x, y in zip(a.tensors._fields, a.tensors, b.tensors):
+        assert torch.equal(x, y), (where, name)
+
+
 @pytest.mark.parametrize("nodes", [1, 2])
 def test_a_derived_plans_padded_inputs_are_derived_from_the_last(nodes, monkeypatch):
-    """padded_step: for a plan that follows_previous, the padded plan and each node's host
-    inputs advanced from the previous step's are what pad_plan and host_inputs give."""
+    """padded_step: for a plan derived from the step before, the padded plan and each node's
+    host inputs advanced from the previous step's are what pad_plan and host_inputs give."""
     from tknp_megatron.executor import step_inputs
     from tknp_megatron.executor.step_inputs import padded_step
     from tests.helpers import lockstep_plans, mixed_requests
@@ -83,22 +97,36 @@ def test_a_derived_plans_padded_inputs_are_derived_from_the_last(nodes, monkeypa
     real_advance = step_inputs._advance
     monkeypatch.setattr(step_inputs, "_advance", lambda *a: advanced.append(1) or real_advance(*a))
     plans = [derived or built for built, derived in lockstep_plans(mixed_requests(), nodes, 40)]
-    followers = sum(p.follows_previous for p in plans)
+    followers = sum(p.follows >= 0 for p in plans)
     assert followers >= 12
     for node in range(nodes):
         chain = None
         for plan in plans:
             fresh = padded_step(plan, node, dummy_slot=63)
             chain = padded_step(plan, node, dummy_slot=63, previous=chain)
-            assert chain.step == plan.step and torch.equal(chain.index, fresh.index)
-            assert (chain.real == fresh.real).all()
-            for f in dataclasses.fields(fresh.padded.per_request):
-                assert torch.equal(getattr(chain.padded.per_request, f.name), getattr(fresh.padded.per_request, f.name))
-            assert torch.equal(chain.padded.tokens, fresh.padded.tokens)
-            assert chain.padded.requests_per_owner == fresh.padded.requests_per_owner
-            a, b = chain.host, fresh.host
-            assert (a.shape, a.max_query_len, a.max_seq_len, a.feeds_previous) == \
-                (b.shape, b.max_query_len, b.max_seq_len, b.feeds_previous)
-            for name, x, y in zip(a.tensors._fields, a.tensors, b.tensors):
-                assert torch.equal(x, y), (plan.step, node, name)
+            _assert_padded_alike(chain, fresh, (plan.step, node))
     assert len(advanced) == nodes * followers  # every such plan's inputs were derived
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_padded_inputs_of_plans_fed_the_booked_tokens_are_derived(microbatches, monkeypatch):
+    """padded_step over PP's plans (fed from the host, each derived from its microbatch's
+    plan before): the booked tokens land at the real rows, the rest as padded afresh."""
+    from tknp_megatron.executor import step_inputs
+    from tknp_megatron.executor.step_inputs import padded_step
+    from tests.helpers import booked_plans, mixed_requests
+
+    advanced = []
+    real_advance = step_inputs._advance
+    monkeypatch.setattr(step_inputs, "_advance", lambda *a: advanced.append(1) or real_advance(*a))
+    plans = [derived or built for built, derived in booked_plans(mixed_requests(), microbatches, 60)]
+    followers = sum(p.follows >= 0 for p in plans)
+    assert followers >= 12
+    recent = {}  # step -> PaddedStep, as the PP executor keeps them
+    for plan in plans:
+        fresh = padded_step(plan, 0, dummy_slot=63)
+        chain = padded_step(plan, 0, dummy_slot=63, previous=recent.get(plan.follows))
+        _assert_padded_alike(chain, fresh, plan.step)
+        assert chain.host.feeds_previous is False
+        recent[plan.step] = chain
+    assert len(advanced) == followers

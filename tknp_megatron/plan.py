@@ -176,9 +176,11 @@ class StepPlan:
     ``log_probs_top_n`` is -1 when no request of the step asks for log-probs, else the
     largest ``top_n_logprobs`` among those that do (the last root returns that many top
     tokens for every row). ``idle`` marks a plan with nothing to run (:meth:`idle_plan`).
-    ``follows_previous`` marks a plan derived from the plan of step ``step - 1`` by
-    :func:`next_decode_plan` (the same requests, one position further), so that every rank
-    can derive what it computes from that plan too (``executor/step_inputs.padded_step``).
+    ``follows`` is the step of the plan this one was derived from by
+    :func:`next_decode_plan` (the same requests, one position further: the step before, or
+    with PP's microbatches the microbatch's step before), -1 for a plan built request by
+    request, so that every rank can derive what it computes from that plan's too
+    (``executor/step_inputs.padded_step``).
     """
 
     step: int
@@ -193,7 +195,7 @@ class StepPlan:
     microbatches: Tuple["StepPlan", ...] = ()
     log_probs_top_n: int = -1
     idle: bool = False
-    follows_previous: bool = False
+    follows: int = -1
 
     @classmethod
     def idle_plan(cls, num_nodes: int) -> "StepPlan":
@@ -275,34 +277,52 @@ def build_plan(
 
 
 def next_decode_plan(step: int, previous: Optional[StepPlan], previous_batch: Sequence[Request],
-                     batch: Sequence[Request], admissions: Sequence[Admission]) -> Optional[StepPlan]:
+                     batch: Sequence[Request], admissions: Sequence[Admission],
+                     booked: Optional[Sequence[int]] = None) -> Optional[StepPlan]:
     """:func:`build_plan` for the step after ``previous`` without reading the requests, where
     it can be derived: None where it cannot, and :func:`build_plan` must run.
 
     It can when the step is pure decode in steady state: nothing is admitted, ``batch`` holds
     the very requests (in the same order) that ``previous`` was built from
-    (``previous_batch``), and in ``previous`` each request fed one row, its token from the
-    step before (``prev_token_index`` is ``0 .. R-1``). Between the two plans the engine books
-    exactly one step of each request, so each one's cached tokens and sample index grow by
-    one, its in-flight token sits at the same row of ``previous``'s output, and every other
-    column is what it was. The same numbers :func:`build_plan` computes one request at a
-    time (checked against it in the tests), in two vector adds: at a few hundred requests
-    the per-request reads were about a fifth of the coordinator's work per step. ``step``
-    must be ``previous.step + 1`` (the plan is marked ``follows_previous``).
+    (``previous_batch``), and in ``previous`` each request fed one row. Between the two plans
+    the engine books exactly one step of each request, so each one's cached tokens and
+    sample index grow by one and every other column is what it was. The input token of
+    each row is either
+
+    - (``booked`` None: the overlapped loop, which plans step n + 1 before it books step n)
+      the token in flight, at the same row of ``previous``'s output (``previous`` fed its
+      rows the same way: ``prev_token_index`` is ``0 .. R-1``); or
+    - (PP's loop, which books a microbatch's step before it plans the next) the token just
+      booked: ``booked`` ``[R]``, the tokens sampled by ``previous``, in its order
+      (``previous`` fed its rows from the host: ``prev_token_index`` None).
+
+    The same numbers :func:`build_plan` computes one request at a time (checked against it
+    in the tests), in two vector adds: at a few hundred requests the per-request reads were
+    about a fifth of the coordinator's work per step. The plan records ``follows =
+    previous.step``.
     """
-    if previous is not None and step != previous.step + 1:
-        raise ValueError(f"next_decode_plan: step {step} does not follow step {previous.step}")
-    if (admissions or previous is None or previous.microbatches or previous.prev_token_index is None
+    if previous is not None and step <= previous.step:
+        raise ValueError(f"next_decode_plan: step {step} does not come after step {previous.step}")
+    if (admissions or previous is None or previous.microbatches
             or len(batch) != previous.num_requests or previous.num_rows != len(batch)):
         return None
+    if booked is None:
+        if previous.prev_token_index is None:
+            return None
+        if not np.array_equal(previous.prev_token_index.numpy(), np.arange(len(batch))):
+            return None
+        tokens = previous.tokens
+    else:
+        if previous.prev_token_index is not None or len(booked) != len(batch):
+            return None
+        tokens = torch.from_numpy(np.asarray(booked, dtype=np.int64))
     if tuple(batch) != tuple(previous_batch):  # identity: Request compares by object
-        return None
-    if not np.array_equal(previous.prev_token_index.numpy(), np.arange(len(batch))):
         return None
     cols = previous.per_request
     per_request = replace(cols, start_pos=torch.from_numpy(cols.start_pos.numpy() + 1),
                           sample_steps=torch.from_numpy(cols.sample_steps.numpy() + 1))
-    return replace(previous, step=step, admissions=(), per_request=per_request, follows_previous=True)
+    return replace(previous, step=step, admissions=(), per_request=per_request, tokens=tokens,
+                   follows=previous.step)
 
 
 _LONG_FIELDS = ("tokens", "prev_token_index")  # the plan's own int64 tensors

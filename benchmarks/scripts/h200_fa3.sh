@@ -15,6 +15,11 @@
 #                   pool), interleaved (requests grown in lockstep) and shuffled, 1 and 8 KV heads
 #                   at head dim 128 and 12/1 at 192, B = 32 / 128 / 256, 32K and 128K; FA3 also
 #                   with its split count and GQA packing fixed (FA3_VARIANTS)
+#   PART=kernels    where the MQA gap against SDPA goes, kernel by kernel: the pages and order
+#                   shapes (8/1, 16/1, 64/8 at head dim 128; B = 32 / 128 / 256; 4K, 32K, 128K)
+#                   timed as PART=attention, then each column run KCALLS (10) times under
+#                   torch.profiler: the Triton launch's plan, attention and merge kernels apart,
+#                   FA3's, SDPA's; a summary per shape (benchmarks/scripts/kernel_split.py)
 #   PART=prefill    prompts: both kernels (and SDPA, causal over contiguous K/V, where the chunk is
 #                   the whole context) on whole 4K and 16K prompts and on 2048-token chunks at
 #                   the end of a 32K context, Llama-3.1-70B's and Nemotron-4-340B's heads per rank
@@ -84,6 +89,13 @@ for part in ${PART:-attention serving}; do
         echo "pages $order: exit $?"; grep "^small cases:" "$OUT/order_$order.txt" | tail -n 1
         tail -n 30 "$OUT/order_$order.txt" | grep -v "^{"
       done ;;
+    kernels)
+      timeout -k 5 ${PART_TIMEOUT:-280} python -m tknp_megatron.tools.bench_attention \
+        --heads ${HEADS:-8:1:128 16:1:128 64:8:128} --batch ${BATCH:-32 128 256} --ctx ${CTX:-4096 32768 131072} \
+        --configs auto ${CONFIGS:-} --reps 20 --max-kv-gib 24 --kernel-profile ${KCALLS:-10} \
+        --out "$OUT/kernels.json" > "$OUT/kernels.txt" 2>&1
+      echo "kernels: exit $?"; grep "^small cases:" "$OUT/kernels.txt" | tail -n 1
+      python benchmarks/scripts/kernel_split.py "$OUT/kernels.json" ;;
     prefill)
       for spec in "1 4:4096:4096" "1:16384:16384" "1 4:32768:2048"; do
         IFS=: read -r batches ctx qlen <<< "$spec"

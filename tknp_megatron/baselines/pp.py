@@ -24,7 +24,8 @@ graph's buffers and sends the real rows of its output on.
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional
+from collections import OrderedDict
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -39,12 +40,12 @@ from tknp_megatron.executor.dense_fusion import DenseFusion, dense_fusion_for
 from tknp_megatron.executor.ingest import Admitter, KVSlice
 from tknp_megatron.executor.owner_attention import OwnerAttention
 from tknp_megatron.executor.rope import Rope
-from tknp_megatron.executor.step_inputs import GraphStep, host_inputs, pad_plan, prepare_inputs
+from tknp_megatron.executor.step_inputs import GraphStep, PaddedStep, padded_step, prepare_inputs
 from tknp_megatron.executor.tknp import draw_tokens
 from tknp_megatron.models.precision import dense_autocast
 from tknp_megatron.sampling import pack_log_probs, token_log_probs, unpack_log_probs
 from tknp_megatron.kv_cache import PagedKVCache
-from tknp_megatron.plan import Admission, StepPlan, build_plan
+from tknp_megatron.plan import Admission, StepPlan, build_plan, next_decode_plan
 
 __all__ = ["PPExecutor", "PPInferenceEngine"]
 
@@ -71,6 +72,10 @@ class PPExecutor:
         self._pending: List = []  # sends of the previous tick still in flight
         self._local: Dict[int, StepOutput] = {}  # one-stage pipeline: step -> its output
         self.graphs = None  # set by enable_cuda_graphs
+        # graphs: the padded plans and inputs of the last steps (a microbatch's next plan is
+        # derived from its plan before, some steps back)
+        self._recent: "OrderedDict[int, PaddedStep]" = OrderedDict()
+        self._recent_kept = max(8, 2 * self.num_stages)
         self.plan_owners = 1  # every plan has one logical owner: every stage holds every request
         # plans stage to stage, host to host (the pool's gloo group)
         last = self.num_stages - 1
@@ -216,14 +221,17 @@ class PPExecutor:
         (inputs of the padded plan, padded hidden [rows, 1, D] or None on stage 0), [R]
         index of each real request in the padded batch)``; ``hidden`` is the previous
         stage's real rows (None: zeros, as the captures at start-up run)."""
-        padded, index = pad_plan(plan, self.kv.dummy_slot)
-        inp = GraphStep(host_inputs(padded, 0, pin=self.device.type == "cuda"), max_seq_len)
+        done = padded_step(plan, 0, self.kv.dummy_slot, self.device.type == "cuda", self._recent.get(plan.follows))
+        self._recent[plan.step] = done
+        if len(self._recent) > self._recent_kept:
+            self._recent.popitem(last=False)
+        inp = GraphStep(done.host, max_seq_len)
         buf = None
         if self.stage > 0:
-            buf = torch.zeros(padded.num_rows, 1, self.hidden_size, dtype=self.dtype, device=self.device)
+            buf = torch.zeros(done.padded.num_rows, 1, self.hidden_size, dtype=self.dtype, device=self.device)
             if hidden is not None:  # one owner: the real requests are the padded batch's first rows
                 buf[: hidden.shape[0]].copy_(hidden)
-        return inp.key, (inp, buf), index
+        return inp.key, (inp, buf), done.index
 
     def graph_forward(self, inputs) -> torch.Tensor:
         """The captured body: the padded hidden ``[rows, 1, D]``, or on the last stage the
@@ -246,6 +254,8 @@ class PPInferenceEngine(InferenceEngine):
         super().__init__(model, preset, placement, groups, config, device, **kwargs)
         self.num_microbatches = num_microbatches or self.groups.num_nodes
         self._awaiting: List[Optional[StepPlan]] = [None] * self.num_microbatches  # tokens due
+        # each microbatch's last plan and the requests it was built from (next_decode_plan)
+        self._last: List[Tuple[Optional[StepPlan], tuple]] = [(None, ())] * self.num_microbatches
         self._cursor = 0  # the microbatch the coordinator's next tick serves
         # stage 0's plans, host to host: the coordinator to each other TP rank of stage 0
         g = self.groups
@@ -282,6 +292,7 @@ class PPInferenceEngine(InferenceEngine):
 
     def _forget_in_flight(self) -> None:
         self._awaiting = [None] * self.num_microbatches
+        self._last = [(None, ())] * self.num_microbatches
 
     def _lead(self) -> List[int]:
         """One tick: book microbatch m's tokens if its step is in flight, then plan and
@@ -290,21 +301,24 @@ class PPInferenceEngine(InferenceEngine):
         start, waited = time.perf_counter(), timing.wait_s
         m = self._cursor
         self._cursor = (m + 1) % self.num_microbatches
-        finished = []
+        finished, booked = [], None
         if self._awaiting[m] is not None:
             plan, self._awaiting[m] = self._awaiting[m], None
             received = time.perf_counter()
             out = self.executor.receive_tokens(plan)  # the last stage's send (gloo: blocking)
             timing.wait_s += time.perf_counter() - received
-            finished = self._book_keep(plan, out)
-        plan = self._plan_for(m)
+            booked = self._read_tokens(out)
+            finished = self._book(plan, booked, out)
+        plan = self._plan_for(m, booked)
         if plan is not None:
             self._issue(plan)
             self._awaiting[m] = plan if plan.num_requests else None
         timing.add(time.perf_counter() - start - (timing.wait_s - waited))  # one microbatch's tick
         return finished
 
-    def _plan_for(self, m: int) -> Optional[StepPlan]:
+    def _plan_for(self, m: int, booked: Optional[List[int]] = None) -> Optional[StepPlan]:
+        """Microbatch ``m``'s next plan (None: nothing to run or admit): derived from its plan
+        before and the tokens just ``booked`` where :func:`next_decode_plan` can, else built."""
         self._release_due()
         result = self.scheduler.schedule()
         for req in result.admitted:
@@ -318,7 +332,13 @@ class PPInferenceEngine(InferenceEngine):
         if not batch and not result.admissions:
             return None
         self._step += 1
-        return build_plan(self._step, batch, result.admissions, 1, self.config.record_logits)
+        plan = None
+        if booked is not None:
+            plan = next_decode_plan(self._step, *self._last[m], batch, result.admissions, booked)
+        if plan is None:
+            plan = build_plan(self._step, batch, result.admissions, 1, self.config.record_logits)
+        self._last[m] = (plan, tuple(batch))
+        return plan
 
     def _issue(self, plan: StepPlan) -> None:
         """Coordinator: hand ``plan`` to stage 0's other TP ranks, run stage 0's share."""

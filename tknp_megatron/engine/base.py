@@ -265,9 +265,18 @@ class InferenceEngine(abc.ABC):
     def _book_keep(self, plan: StepPlan, out: StepOutput, copy: Optional[HostCopy] = None) -> List[int]:
         """Read a step's tokens (the coordinator's one wait per step: for this step only,
         not the one queued behind it) and book them."""
+        return self._book(plan, self._read_tokens(out, copy), out)
+
+    def _read_tokens(self, out: StepOutput, copy: Optional[HostCopy] = None) -> List[int]:
+        """A step's ``[R]`` sampled tokens on the host (waiting for them counts as waiting)."""
         start = time.perf_counter()
         tokens = (copy or HostCopy(out.tokens)).result().tolist()
         self.loop_timing.wait_s += time.perf_counter() - start
+        return tokens
+
+    def _book(self, plan: StepPlan, tokens: List[int], out: StepOutput) -> List[int]:
+        """Book a step's ``tokens`` (and its log-probs and logits, from ``out``); returns the
+        ids of the requests it finished."""
         self.resident_steps += 1
         self.resident_total += self.scheduler.num_running()
         log_probs = StepLogProbs.read(out.log_probs, out.top_log_probs, out.top_ids)

@@ -362,16 +362,18 @@ def padded_step(plan: StepPlan, node: int, dummy_slot: int, pin: bool = False,
                 previous: Optional[PaddedStep] = None) -> PaddedStep:
     """``plan`` padded (:func:`pad_plan`) and node ``node``'s :func:`host_inputs` of it.
 
-    A plan that ``follows_previous`` (:func:`~tknp_megatron.plan.next_decode_plan`: the
-    plan of step ``step - 1`` with each request one position further) is derived from
-    ``previous``, that plan's :class:`PaddedStep`, where it is one: the same padding, each
-    real request's position, context length and sample index one further, every other
-    input as it was. Three vector adds and a pack instead of the padding and the inputs'
-    arithmetic (the tests check it gives what :func:`pad_plan` and :func:`host_inputs` do).
-    The padded plan itself is derived alongside (two more adds), for callers that read it.
+    A plan derived from the plan of step ``plan.follows``
+    (:func:`~tknp_megatron.plan.next_decode_plan`: the same requests, each one position
+    further) is derived from ``previous``, that plan's :class:`PaddedStep`, where it is
+    that one: the same padding, each real request's position, context length and sample
+    index one further, its input token the one booked where the plan feeds tokens from the
+    host, every other input as it was. Three vector adds and a pack instead of the padding
+    and the inputs' arithmetic (the tests check it gives what :func:`pad_plan` and
+    :func:`host_inputs` do). The padded plan itself is derived alongside (two more adds),
+    for callers that read it.
     """
-    if plan.follows_previous and previous is not None and previous.step == plan.step - 1:
-        return _advance(previous, node, pin)
+    if plan.follows >= 0 and previous is not None and previous.step == plan.follows:
+        return _advance(previous, plan, node, pin)
     padded, index = pad_plan(plan, dummy_slot)
     real = np.zeros(padded.num_requests, dtype=np.int64)
     real[index.numpy()] = 1
@@ -379,20 +381,26 @@ def padded_step(plan: StepPlan, node: int, dummy_slot: int, pin: bool = False,
     return PaddedStep(plan.step, padded, index, real, host, StepHost(*(t.numpy() for t in host.tensors)))
 
 
-def _advance(previous: PaddedStep, node: int, pin: bool) -> PaddedStep:
-    """:func:`padded_step` of the plan after ``previous.padded``'s, one position further."""
-    real, cols = previous.real, previous.padded.per_request
+def _advance(previous: PaddedStep, plan: StepPlan, node: int, pin: bool) -> PaddedStep:
+    """:func:`padded_step` of ``plan``, derived from ``previous``: the plan it follows."""
+    real, cols, was = previous.real, previous.padded.per_request, previous.arrays
+    tokens, arrays_tokens = previous.padded.tokens, was.tokens
+    if plan.prev_token_index is None:  # fed from the host: the tokens just booked, at the real rows
+        padded_tokens = tokens.numpy().copy()
+        padded_tokens[previous.index.numpy()] = plan.tokens.numpy()  # decode: row i is request i
+        tokens, arrays_tokens = torch.from_numpy(padded_tokens), padded_tokens  # every node's rows: [rows]
     padded = dataclasses.replace(
-        previous.padded, step=previous.step + 1, follows_previous=True,
+        previous.padded, step=plan.step, follows=previous.step, tokens=tokens,
         per_request=dataclasses.replace(cols, start_pos=torch.from_numpy(cols.start_pos.numpy() + real),
                                         sample_steps=torch.from_numpy(cols.sample_steps.numpy() + real)))
     lo, hi = padded.request_range(node)
     own = real[lo:hi]  # a decode step: one row per request, so rows and requests align
-    was = previous.arrays  # the other vectors are shared as they are (never written)
-    arrays = was._replace(seq_lens=was.seq_lens + own, positions=was.positions + own, steps=was.steps + real)
+    # the other vectors are shared as they are (never written)
+    arrays = was._replace(seq_lens=was.seq_lens + own, positions=was.positions + own, steps=was.steps + real,
+                          tokens=arrays_tokens)
     host = dataclasses.replace(previous.host, packed=pack(arrays, pin),
                                max_seq_len=int(arrays.seq_lens.max()) if hi > lo else 0)
-    return PaddedStep(previous.step + 1, padded, previous.index, real, host, arrays)
+    return PaddedStep(plan.step, padded, previous.index, real, host, arrays)
 
 
 def pad_plan(plan: StepPlan, dummy_slot: int, size: Optional[int] = None) -> Tuple[StepPlan, torch.Tensor]:

@@ -94,6 +94,9 @@ def parse_args(argv=None):
                    help="mixed lengths: request i of B holds ctx * (1 - spread * i / (B - 1)) tokens "
                         "(0: all ctx; SDPA is then not timed, its contiguous K/V would be padded)")
     p.add_argument("--no-flush", action="store_true", help="do not flush L2 between reps")
+    p.add_argument("--kernel-profile", type=int, default=0, metavar="CALLS",
+                   help="also run each column CALLS times under torch.profiler: its kernels' mean time per call "
+                        "(JSON 'kernels'), e.g. a split launch's plan, attention and merge apart")
     p.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph timing of triton")
     p.add_argument("--out", default=None)
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
@@ -220,6 +223,29 @@ class Jobs:
         for (target, key, _), us in zip(self.items, timer.interleaved([fn for _, _, fn in self.items])):
             target[key] = us
 
+    def profile(self, torch, calls: int) -> dict:
+        """``{key: {kernel: mean us per call}}``: each job run ``calls`` times under
+        ``torch.profiler`` (after its timing, so warm; no L2 flush between calls), the
+        GPU time of each kernel it launched (graph replays included) over ``calls``.
+        A Triton config's keys are prefixed with its tile (``triton64:4:3.graph_us``)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        found = {}
+        for target, key, fn in self.items:
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for i in range(calls):
+                    fn(i)
+                torch.cuda.synchronize()
+            kernels = {}
+            for ev in prof.events():
+                if ev.device_type == torch.autograd.DeviceType.CUDA:
+                    name = ev.name[:80]
+                    kernels[name] = kernels.get(name, 0.0) + ev.time_range.elapsed_us() / calls
+            label = key if "B" in target else f"triton{target['block_n']}:{target['num_warps']}:{target['num_stages']}.{key}"
+            found[label] = {k: round(v, 2) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])}
+        return found
+
 
 def rel_err(out, ref) -> float:
     """``||out - ref|| / ||ref||`` in fp32."""
@@ -271,6 +297,8 @@ def run_shape(env, args, batch, ctx, hq, hkv, head_dim):
         check_contiguous_kernels(env, case, qs, out, row, jobs)
     add_copy(env, row, jobs)
     jobs.run(env["timer"])
+    if args.kernel_profile and device.type == "cuda":
+        row["kernels"] = jobs.profile(torch, args.kernel_profile)
     summarize_triton(row, env["device"].type == "cuda" and not args.no_graphs)
     del case, qs, out, jobs
     for name in ("triton", *env["libraries"], "sdpa", "copy"):
