@@ -219,8 +219,14 @@ def test_decode_launch_per_shape():
     assert decode_launch(256, 32768, 192, 132, cfg) == DecodeLaunch(2, 32, 4, 2)  # Nemotron's head dim
     assert decode_launch(1024, 32768, 128, 132, cfg) == DecodeLaunch(1, 64, 4, 3)  # the batch fills the GPU
     assert decode_launch(128, 32768, 128, 132, cfg) == DecodeLaunch(4, 64, 4, 3)
+    # 32+ query heads per KV head at head dim <= 128: 32-token tiles, however many programs
+    assert decode_launch(128, 32768, 128, 132, cfg, group=64) == DecodeLaunch(4, 32, 4, 2)
+    assert decode_launch(8, 4096, 128, 132, cfg, group=32) == DecodeLaunch(16, 32, 4, 2)
+    assert decode_launch(128, 32768, 128, 132, cfg, group=16) == DecodeLaunch(4, 64, 4, 3)
+    assert decode_launch(256, 32768, 192, 132, cfg, group=48) == DecodeLaunch(2, 32, 4, 2)
     fixed = TritonConfig(block_n=16, num_splits=3)  # fields set in the config win
     assert decode_launch(1024, 32768, 128, 132, fixed) == DecodeLaunch(3, 16, 4, 3)
+    assert decode_launch(1024, 32768, 128, 132, fixed, group=64) == DecodeLaunch(3, 16, 4, 2)
     with pytest.raises(ValueError):
         TritonConfig(prefill="flash")
 

@@ -107,6 +107,22 @@ def test_decode_heuristic_splits_long_context():
     _check(case, torch.float32, block_n=64)
 
 
+@pytest.mark.parametrize("hq,dtype", [(64, torch.float32), (32, torch.bfloat16)])
+def test_decode_large_group(hq, dtype):
+    """One KV head for 32-64 query heads (a 64-head model's KV head at TP 1-2, the DCP and
+    TKNP-MQA layouts): the large-group tile, balanced splits, against the reference."""
+    from tknp_megatron.attention import TritonConfig, decode_launch
+    from tknp_megatron.attention.triton_paged import H200_NUM_SMS
+
+    seq_lens = [300, 40, 129, 1]
+    case = make_paged_case([1] * len(seq_lens), seq_lens, num_heads=hq, num_kv_heads=1, head_dim=32, block_size=16,
+                           dtype=dtype, seed=hq)
+    _check(case, dtype, min_split_tokens=32, balance_min_work=0)
+    how = decode_launch(len(seq_lens), max(seq_lens), 32, H200_NUM_SMS,
+                        TritonConfig(min_split_tokens=32, balance_min_work=0), balanced=True, group=hq)
+    assert (how.block_n, how.num_warps, how.num_stages) == (32, 4, 2) and how.budget_splits > 0
+
+
 BALANCED = [
     # (Hq, Hkv, head_dim, block_size, seq_lens, options): mixed lengths, slices of equal tokens
     (4, 2, 16, 8, [300, 20, 150, 1], dict(balance=4, min_split_tokens=16, block_n=16)),
@@ -290,9 +306,9 @@ def test_query_view_of_fused_qkv():
 
 def test_auto_rule_takes_fa3_only_where_it_was_measured_faster():
     """The per-shape rule of the default backend: FA3 for query chunks, for decode at head
-    dim 192, and at 128 from a 32K context bound; Triton for decode below that, at pages of
-    128+ (FA3 reads past a request's length there), in fp32 and at head dims FA3 does not
-    take."""
+    dim 192, at 128 from a 32K context bound and for groups of 32+ query heads per KV head;
+    Triton for decode below that, at pages of 128+ (FA3 reads past a request's length
+    there), in fp32 and at head dims FA3 does not take."""
     from tknp_megatron.attention.per_shape import prefer_fa3
 
     bf16 = torch.bfloat16
@@ -305,6 +321,9 @@ def test_auto_rule_takes_fa3_only_where_it_was_measured_faster():
     assert not prefer_fa3(bf16, 128, 128, 2048, 8192)  # ... but not at pages of 128 tokens
     assert not prefer_fa3(torch.float32, 192, 16, 1, 4096)
     assert not prefer_fa3(bf16, 100, 16, 1, 65536) and not prefer_fa3(bf16, 264, 16, 1, 65536)
+    assert prefer_fa3(bf16, 128, 16, 1, 4096, group=64) and prefer_fa3(bf16, 128, 16, 1, 8192, group=32)
+    assert not prefer_fa3(bf16, 128, 16, 1, 8192, group=16)
+    assert not prefer_fa3(bf16, 128, 128, 1, 8192, group=64)  # pages of 128 tokens
 
 
 def test_auto_says_what_it_runs_here():

@@ -232,6 +232,50 @@ def test_triton_decode_matches_partial_attention(interpreted_kernels, monkeypatc
     torch.testing.assert_close(merged, expected, atol=1e-4, rtol=1e-4)
 
 
+def _fa3_on_cuda() -> bool:
+    from tknp_megatron.attention.flash3 import fa3_usable
+    return torch.cuda.is_available() and fa3_usable(torch.device("cuda"))
+
+
+@pytest.mark.skipif(not _fa3_on_cuda(), reason="vLLM's FA3 library and a Hopper GPU are optional; CI has neither")
+@pytest.mark.parametrize("degree", [1, 2])
+def test_fa3_decode_matches_partial_attention(degree):
+    """FA3's form of a shard's decode attention (the DCP executor's, for the group's 32+
+    query heads over one KV head): every shard's (out, lse) as the torch reference's within
+    bf16, empty shards (0, -inf), unowned slots NaN kept out, the merge as full attention."""
+    from tknp_megatron.attention.flash3 import FlashAttn3Backend
+    from tknp_megatron.baselines.dcp_attention import partial_attention_fa3
+
+    fa3, dev = FlashAttn3Backend(), torch.device("cuda")
+    gen = torch.Generator().manual_seed(20 + degree)
+    heads, d, block, scale = 32, 128, 16, 128 ** -0.5
+    lens = [1, 2, 9, 37, 300, 1000]  # L = 1: shard 1 holds nothing for that request
+    ks = [torch.randn(n, 1, d, generator=gen) for n in lens]
+    vs = [torch.randn(n, 1, d, generator=gen) for n in lens]
+    q = torch.randn(len(lens), heads, d, generator=gen)
+    outs, lses = [], []
+    for j in range(degree):
+        k_cache, v_cache, meta = _decode_shard(ks, vs, j, degree, block, gen)
+        ref_out, ref_lse = partial_attention(q, k_cache, v_cache, meta, scale)
+        meta = dataclasses.replace(meta, **{f.name: getattr(meta, f.name).to(dev) for f in dataclasses.fields(meta)
+                                            if isinstance(getattr(meta, f.name), torch.Tensor)})
+        out, lse = partial_attention_fa3(q.to(dev, torch.bfloat16), k_cache.to(dev, torch.bfloat16),
+                                         v_cache.to(dev, torch.bfloat16), meta, scale, fa3)
+        out, lse = out.float().cpu(), lse.cpu()
+        assert lse.dtype == torch.float32 and out.shape == ref_out.shape
+        empty = meta.local_lens.cpu() == 0
+        assert empty.any() == (j > 0)
+        assert torch.equal(torch.isneginf(lse), empty[:, None].expand_as(lse))
+        assert torch.isfinite(out).all() and (out[empty] == 0).all()
+        torch.testing.assert_close(out, ref_out, atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(lse[~empty], ref_lse[~empty], atol=3e-2, rtol=1e-2)
+        outs.append(out)
+        lses.append(lse)
+    merged = merge_partials(torch.stack(outs), torch.stack(lses))
+    expected = torch.cat([attend_one_request(q[r : r + 1], ks[r], vs[r], scale) for r in range(len(lens))])
+    torch.testing.assert_close(merged, expected, atol=3e-2, rtol=3e-2)
+
+
 # ---------------------------------------------------------------- unit: padded decode inputs
 def _decode_plan(start_pos, slots):
     """A pure-decode plan of one owner: request r at ``start_pos[r]`` in slot ``slots[r]``."""

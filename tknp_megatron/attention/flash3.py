@@ -140,15 +140,29 @@ class FlashAttn3Backend(AttentionBackend):
 
     def _forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale):
         """``q [rows, Hq, d]``, caches ``[num_blocks, block_size, Hkv, d]`` -> ``[rows, Hq, d]``."""
+        return self._call(q, k_cache, v_cache, meta, scale)[0]
+
+    def forward_with_lse(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         meta: AttentionMetadata, scale: float):
+        """The output and its log-sum-exp, for callers that merge partial attentions (DCP's
+        shards): ``(out [rows, Hq, d] in q's dtype, lse [rows, Hq] fp32, natural log)``.
+        A row that sees no token (an empty shard) gets ``out`` 0 and ``lse`` -inf, its weight 0
+        in a merge (FA3 itself marks such rows with an infinite LSE)."""
+        out, lse = self._call(q, k_cache, v_cache, meta, scale)[:2]
+        lse = lse.transpose(0, 1)  # varlen: [Hq, rows] -> [rows, Hq]
+        seen = torch.isfinite(lse)
+        return out.masked_fill(~seen[..., None], 0.0), lse.masked_fill(~seen, float("-inf"))
+
+    def _call(self, q, k_cache, v_cache, meta: AttentionMetadata, scale):
+        """FA3's ``fwd`` over the paged cache: ``[out [rows, Hq, d], softmax_lse [Hq, rows], ...]``."""
         check_flash_inputs("fa3", q)
-        out = self._fwd(
+        return self._fwd(
             q=q, k=k_cache, v=v_cache, out=None,
             cu_seqlens_q=meta.query_start_loc, seqused_k=meta.seq_lens,
             max_seqlen_q=max(meta.max_query_len, 1), max_seqlen_k=meta.max_seq_len,
             page_table=meta.block_table.contiguous(), softmax_scale=scale, is_causal=True,
             num_splits=self.num_splits, **self._fixed,
         )
-        return out[0]
 
 
 register_backend("fa3", FlashAttn3Backend, available=fa3_available, supports=fa3_supports_device)

@@ -13,6 +13,12 @@ contexts 1K-128K, 16-token pages, both kernels replayed from CUDA graphs and tim
   faster at 36 of 50 shapes; 86-105 % of copy bandwidth against 84-102 %).
 - head dim 128 below 32K: Triton. FA3 took 0.93-1.22x its time (median 1.08, faster at 10
   of 60 shapes), and the engine's decode step at 8K was 0.5-1 % slower with it.
+- groups of ``FA3_MIN_GROUP`` (32) query heads per KV head or more, at any context: FA3. With
+  one KV head at TP 1-2 of a 64-head model (the DCP and TKNP-MQA layouts), B = 32 / 128 at
+  8K-64K, it took 0.69-0.83x the time of the Triton kernel's 64-token tile and 0.77-0.95x
+  its best of eight tiles, at the copy ceiling from B x context = 4M (0.99-1.02x copy): its
+  tiles pack the group's heads for Hopper's warpgroup MMA, where the Triton kernel's dots
+  and softmax over 32-64 rows weigh as much as its loads.
 - pages of 128 tokens or more: Triton. FA3 then loads a request's last page whole, slots
   past its length included, and weighs them by zero; a NaN left there by an earlier owner
   of the page turns this request's rows into NaN (seen at 128- and 256-token pages, not at
@@ -54,20 +60,26 @@ from tknp_megatron.attention.flash3 import (
 from tknp_megatron.attention.registry import register_backend
 from tknp_megatron.attention.triton_paged import TritonPagedBackend, triton_importable, triton_supports_device
 
-__all__ = ["FA3_MIN_CONTEXT_HEAD_DIM_128", "FA3_MAX_PAGE", "PerShapeBackend", "auto_kernels", "prefer_fa3"]
+__all__ = ["FA3_MIN_CONTEXT_HEAD_DIM_128", "FA3_MIN_GROUP", "FA3_MAX_PAGE", "PerShapeBackend", "auto_kernels", "prefer_fa3"]
 
 FA3_MIN_CONTEXT_HEAD_DIM_128 = 32768
 """At head dim 128, the context bound from which FA3 is chosen (see the module docstring)."""
+
+FA3_MIN_GROUP = 32
+"""Query heads per KV head from which FA3 is chosen at any context (module docstring)."""
 
 FA3_MAX_PAGE = 64
 """The largest page (tokens) FA3 is chosen at: from 128 it reads past a request's length."""
 
 
-def prefer_fa3(dtype: torch.dtype, head_dim: int, block_size: int, max_query_len: int, max_seq_len: int) -> bool:
-    """Whether FA3 is the faster correct kernel for a call of this shape (module docstring)."""
+def prefer_fa3(dtype: torch.dtype, head_dim: int, block_size: int, max_query_len: int, max_seq_len: int,
+               group: int = 1) -> bool:
+    """Whether FA3 is the faster correct kernel for a call of this shape (module docstring);
+    ``group``: query heads per KV head."""
     if flash_inputs_problem("fa3", dtype, head_dim) or block_size > FA3_MAX_PAGE:
         return False
-    return max_query_len > 1 or head_dim > 128 or max_seq_len >= FA3_MIN_CONTEXT_HEAD_DIM_128
+    return (max_query_len > 1 or head_dim > 128 or max_seq_len >= FA3_MIN_CONTEXT_HEAD_DIM_128
+            or group >= FA3_MIN_GROUP)
 
 
 def auto_kernels(device: torch.device) -> str:
@@ -107,7 +119,8 @@ class PerShapeBackend(AttentionBackend):
 
     def choose(self, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> AttentionBackend:
         """The backend this call runs on (``q [rows, Hq, d]``, ``k_cache [blocks, block_size, Hkv, d]``)."""
-        if prefer_fa3(q.dtype, q.shape[-1], k_cache.shape[1], meta.max_query_len, meta.max_seq_len):
+        if prefer_fa3(q.dtype, q.shape[-1], k_cache.shape[1], meta.max_query_len, meta.max_seq_len,
+                      q.shape[1] // k_cache.shape[2]):
             fa3 = self.fa3_here(q.device)
             if fa3 is not None:
                 return fa3

@@ -163,8 +163,11 @@ class DecodeLaunch:
 BALANCE_MIN_WORK = 1 << 19  # KV head-tokens (programs x longest context): TritonConfig.balance_min_work
 
 
+LARGE_GROUP = 32  # query heads per KV head from which a decode launch takes the large-group tile
+
+
 def decode_launch(programs: int, max_kv_len: int, head_dim: int, num_sms: int, config: TritonConfig,
-                  balanced: bool = False) -> DecodeLaunch:
+                  balanced: bool = False, group: int = 1) -> DecodeLaunch:
     """The splits (:func:`choose_num_splits`) and the tile of a decode launch, per shape.
 
     Fields set in ``config`` win; the others follow the H200 sweeps of
@@ -176,6 +179,14 @@ def decode_launch(programs: int, max_kv_len: int, head_dim: int, num_sms: int, c
       tiles, 4 warps, 2 stages, whose registers and shared memory leave room for more
       programs per SM (64-token tiles, 2 or 8 warps, 3 or 4 stages were 4-60 % slower at
       1 and 8 KV heads on an H200);
+    - groups of ``LARGE_GROUP`` query heads per KV head or more (one KV head at TP 1-2 of a
+      64-head model, as the DCP and TKNP-MQA rows run), at head dims up to 128: 32-token
+      tiles, 4 warps, 2 stages. Each tile then feeds 32-64 matrix rows, so the dots and the
+      softmax weigh as much as the loads; on an H200 at 64 and 32 query heads per KV head
+      (B = 32 / 128, 8K-64K) they took 0.87-0.91x the time of the 64-token tile, the best
+      of eight tiles at 8 of 12 shapes (128-token tiles with 8 warps at the other four, by
+      1-3.5 %; ``benchmarks/RESULTS.md``, "Large head groups"). FA3 is faster still there
+      (``per_shape.py``);
     - otherwise 64-token tiles, 4 warps and a third pipeline stage, which hides more of
       each program's memory latency: with one split (the batch fills the GPU by itself)
       4-8 % faster than two stages; with several, a median 3 % and up to 13 % on the
@@ -202,9 +213,12 @@ def decode_launch(programs: int, max_kv_len: int, head_dim: int, num_sms: int, c
         head_dim: the heads' dimension.
         num_sms: streaming multiprocessors of the GPU.
         balanced: whether the caller runs balanced splits.
+        group: query heads per KV head.
     """
     splits = choose_num_splits(programs, max_kv_len, num_sms, config)
-    if programs * splits < num_sms:
+    if group >= LARGE_GROUP and head_dim <= 128:
+        tile = (32, 4, 2)
+    elif programs * splits < num_sms:
         tile = (128, 4, 2)
     elif head_dim > 128:
         tile = (32, 4, 2)
@@ -334,7 +348,8 @@ class TritonPagedBackend(AttentionBackend):
         num_req, num_kv_heads = meta.num_requests, k_cache.shape[2]
         group_pad = decode_group_pad(q.shape[1], num_kv_heads)
         launch = decode_launch(num_req * num_kv_heads, meta.max_seq_len, q.shape[2], device_num_sms(q.device),
-                               self.config, balanced=1 < num_req == q.shape[0])  # the merge maps row i to request i
+                               self.config, balanced=1 < num_req == q.shape[0],  # the merge maps row i to request i
+                               group=q.shape[1] // num_kv_heads)
         return self._run(q, k_cache, v_cache, meta, scale, num_req, 1, group_pad, None, launch)
 
     def varlen(self, q, k_cache, v_cache, meta, scale) -> torch.Tensor:

@@ -40,9 +40,12 @@ import torch
 import torch.distributed as dist
 
 from parallel_state import TokenParallelGroups
+from tknp_megatron.attention.flash3 import FlashAttn3Backend, fa3_usable
+from tknp_megatron.attention.per_shape import auto_kernels, prefer_fa3
 from tknp_megatron.baselines.dcp_attention import (
     merge_partials,
     partial_attention,
+    partial_attention_fa3,
     partial_attention_triton,
     triton_decode_usable,
 )
@@ -138,10 +141,17 @@ class DCPExecutor:
         rope: RoPE.
         vocab_size: unpadded vocabulary.
         device: this rank's device.
+        fusion: the root's fused element-wise kernels (None: Megatron's modules).
+        attention_backend: the engine's (``EngineConfig.attention_backend``): with None or
+            ``auto``, decode steps run FlashAttention 3 where ``per_shape.prefer_fa3`` takes
+            it for the shard's shape (on Hopper with FA3's library there), with ``fa3`` at
+            every decode step where it runs, else the Triton kernel (CUDA, or the CPU's
+            interpreter); other steps, and decode without either, the torch form.
     """
 
     def __init__(self, model, groups: TokenParallelGroups, dcp: DCPGroups, kv: PagedKVCache,
-                 rope: Rope, vocab_size: int, device: torch.device, fusion: Optional[DenseFusion] = None):
+                 rope: Rope, vocab_size: int, device: torch.device, fusion: Optional[DenseFusion] = None,
+                 attention_backend: Optional[str] = None):
         cfg = model.config
         self.model, self.groups, self.dcp, self.kv, self.rope = model, groups, dcp, kv, rope
         self.vocab_size, self.device = vocab_size, device
@@ -153,6 +163,11 @@ class DCPExecutor:
         self.scale = self.head_dim ** -0.5
         self.dtype = cfg.params_dtype
         self.fused_decode = triton_decode_usable(device)  # decode steps on the Triton kernel
+        self.fa3_rule = attention_backend in (None, "auto", "fa3")
+        self.fa3 = FlashAttn3Backend() if self.fa3_rule and fa3_usable(device) else None
+        self.fa3_always = attention_backend == "fa3"
+        if self.fa3_always and self.fa3 is None:
+            raise RuntimeError(f"DCP with attention_backend 'fa3': {auto_kernels(device)}")
         # this shard's positions p = shard, shard + D, ... of its group's one KV head
         kv_slice = KVSlice(range(self.num_layers), (dcp.kv_head,), self.num_kv_heads, self.head_dim,
                            shard=dcp.shard, num_shards=dcp.degree)
@@ -236,10 +251,22 @@ class DCPExecutor:
             k, v = k.index_select(0, own), v.index_select(0, own)
         self.kv.write(layer, k, v, inp.write_slots)
         k_cache, v_cache = self.kv.layer(layer)
-        attend = partial_attention_triton if inp.decode and self.fused_decode else partial_attention
-        out, lse = attend(self._gather_queries(q), k_cache, v_cache, inp.attn, self.scale)
+        queries = self._gather_queries(q)  # [rows, D h, d]: the group's heads
+        if inp.decode and self._fa3_decode(queries, k_cache, inp):
+            out, lse = partial_attention_fa3(queries, k_cache, v_cache, inp.attn, self.scale, self.fa3)
+        else:
+            attend = partial_attention_triton if inp.decode and self.fused_decode else partial_attention
+            out, lse = attend(queries, k_cache, v_cache, inp.attn, self.scale)
         attn = self._merge(out, lse).to(self.dtype).reshape(rows, 1, h * d)
         return finish_layer(block, attn, hidden, self.fusion)
+
+    def _fa3_decode(self, queries: torch.Tensor, k_cache: torch.Tensor, inp: DCPStepInputs) -> bool:
+        """Whether this decode step's shard attention runs on FA3 (host ints only: a graph
+        replays the kernel it captured)."""
+        if self.fa3 is None:
+            return False
+        return self.fa3_always or prefer_fa3(k_cache.dtype, self.head_dim, k_cache.shape[1], 1,
+                                             inp.attn.max_local_len, queries.shape[1] // k_cache.shape[2])
 
     def _gather_queries(self, q: torch.Tensor) -> torch.Tensor:
         """``[rows, h, d]`` own heads -> ``[rows, D h, d]`` the group's heads, in head order."""
@@ -299,7 +326,8 @@ class DCPInferenceEngine(LockstepEngine):
         kv = PagedKVCache(spec.with_blocks(block_counts[0]), self.device)
         rope = Rope(self.preset, model.config, self.device)
         fusion = dense_fusion_for(model, self.device, self.config.fused_elementwise)
-        executor = DCPExecutor(model, self.groups, self.dcp, kv, rope, self.preset.vocab_size, self.device, fusion)
+        executor = DCPExecutor(model, self.groups, self.dcp, kv, rope, self.preset.vocab_size, self.device, fusion,
+                               self.config.attention_backend)
         return BuiltExecutor(executor, kv, tuple(block_counts))
 
     def _problem(self, req):

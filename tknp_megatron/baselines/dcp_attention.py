@@ -15,6 +15,10 @@ row per request, its newest token) on CUDA, or on CPU under ``TRITON_INTERPRET=1
 every cached local token is visible, so the shard's partial attention is exactly the
 split-K paged kernel of :mod:`~tknp_megatron.attention.triton_kernels` over the local
 cache (``seq_lens = local_lens``), whose per-split partials are merged here in torch.
+:func:`partial_attention_fa3` is the same on FlashAttention 3, which the DCP executor takes
+for decode where the default backend's per-shape rule would (``attention/per_shape.py``):
+with one KV head per rank and the group's 32-64 query heads, FA3's packed tiles reach the
+copy ceiling where the Triton kernel's do not.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from tknp_megatron.attention import triton_paged as paged  # the decode kernel's
 from tknp_megatron.attention.paging import gather_pages
 
 __all__ = [
-    "ShardMetadata", "decode_metadata", "partial_attention", "partial_attention_triton",
+    "ShardMetadata", "decode_metadata", "partial_attention", "partial_attention_fa3", "partial_attention_triton",
     "triton_decode_usable",
     "merge_partials",
 ]
@@ -218,7 +222,8 @@ def partial_attention_triton(
     q = q.to(k_cache.dtype)
     q = q if q.stride(-1) == 1 else q.contiguous()
     num_kv_heads = k_cache.shape[2]
-    how = paged.decode_launch(rows * num_kv_heads, meta.max_local_len, d, paged.device_num_sms(q.device), _TRITON)
+    how = paged.decode_launch(rows * num_kv_heads, meta.max_local_len, d, paged.device_num_sms(q.device), _TRITON,
+                              group=heads // num_kv_heads)
     splits = how.num_splits
     part = torch.empty((rows, heads, splits, d), dtype=torch.float32, device=q.device)
     lse2 = torch.empty((rows, heads, splits), dtype=torch.float32, device=q.device)
@@ -230,6 +235,32 @@ def partial_attention_triton(
         upcast=paged.interpreter_upcast(q.dtype),
     )
     return _merge_splits(part, lse2)
+
+
+def partial_attention_fa3(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: ShardMetadata, scale: float, fa3
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`partial_attention_triton` on FlashAttention 3 (``fa3``: a
+    :class:`~tknp_megatron.attention.flash3.FlashAttn3Backend`): one call over the local
+    shard, causal with the query row at the end of each request's local tokens, so every
+    cached local token is visible, as in the Triton form. FA3 packs a KV head's query heads
+    (all D ranks' heads of the group here) into its tiles, where the Triton kernel's dots
+    over 32-64 rows weigh as much as its loads (``attention/per_shape.py``).
+
+    Returns:
+        ``(out [rows, Hq, d]`` in the cache dtype, ``lse [rows, Hq]`` fp32); a row with no
+        local token has ``out = 0``, ``lse = -inf``.
+    """
+    rows, heads, d = q.shape
+    if rows != meta.local_lens.shape[0]:
+        raise ValueError(f"decode needs one row per request: {rows} rows, {meta.local_lens.shape[0]} requests")
+    if rows == 0 or meta.max_local_len == 0:
+        return (q.new_zeros((rows, heads, d), dtype=k_cache.dtype),
+                q.new_full((rows, heads), float("-inf"), dtype=torch.float32))
+    q = q.to(k_cache.dtype)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    return fa3.forward_with_lse(q, k_cache, v_cache, decode_metadata(meta) if meta.kernel is None else meta.kernel,
+                                scale)
 
 
 def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:

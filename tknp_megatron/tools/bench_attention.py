@@ -347,7 +347,7 @@ def check_triton(env, args, case, qs, row, jobs):
     for i, ((bn, w, s, waves, balance), backend) in enumerate(zip(configs, backends)):
         call = lambda q, b=backend: b(q, case.k_cache, case.v_cache, meta, case.scale)
         how = env["decode_launch"](batch * row["hkv"], row["ctx"], row["head_dim"], env["num_sms"], backend.config,
-                                   balanced=batch > 1)  # as the backend's decode decides
+                                   balanced=batch > 1, group=row["hq"] // row["hkv"])  # as the backend's decode decides
         timing = dict(block_n=how.block_n, num_warps=how.num_warps, num_stages=how.num_stages, waves=waves,
                       num_splits=how.num_splits, budget_splits=how.budget_splits, balance=balance,
                       auto=bn is None)

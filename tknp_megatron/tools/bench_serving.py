@@ -29,6 +29,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -228,7 +229,7 @@ def worker(rank, world, args):
                           fused_rope=not args.no_fused_rope, attention_backend=args.attention_backend,
                           max_sequence_length=args.max_sequence_length)
     attention = attention_description(args.attention_backend, device)
-    dcp_attention = dcp_attention_description(device)
+    dcp_attention = dcp_attention_description(device, args.attention_backend)
     if rank == 0:
         print(f"attention: {attention}; DCP's shards: {dcp_attention}", flush=True)
     rows = []
@@ -276,11 +277,18 @@ def attention_description(name, device) -> str:
     return f"auto: {auto_kernels(device)}" if name == "auto" else name
 
 
-def dcp_attention_description(device) -> str:
-    """DCP's shards' partial attention (``baselines/dcp_attention.py``), as rows record it."""
+def dcp_attention_description(device, name: Optional[str] = None) -> str:
+    """DCP's shards' partial attention (``baselines/dcp_attention.py``) under the engine's
+    backend ``name``, as rows record it: FA3 for the decode shapes ``per_shape.prefer_fa3``
+    takes (with ``auto``) or for all (``fa3``), where it runs; else the Triton kernel."""
+    from tknp_megatron.attention.flash3 import fa3_usable
     from tknp_megatron.baselines.dcp_attention import triton_decode_usable
 
-    return "triton decode, torch for prompts" if triton_decode_usable(device) else "torch"
+    if not triton_decode_usable(device):
+        return "torch"
+    if name in (None, "auto", "fa3") and fa3_usable(device):
+        return ("fa3" if name == "fa3" else "fa3 per shape + triton") + " decode, torch for prompts"
+    return "triton decode, torch for prompts"
 
 
 def _row(label, ctx, batch, rate, run, predict, attention) -> dict:
