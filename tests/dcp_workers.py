@@ -98,3 +98,22 @@ def _cache_summary(engine) -> Tuple[int, int]:
     """(tokens per local block, local blocks) of this rank's shard cache."""
     spec = engine.kv.spec
     return spec.block_size, spec.num_blocks
+
+
+def fa3_refusal_worker(rank, world, case: DCPCase) -> str:
+    """Build ``case``'s DCP engine on CPU with ``attention_backend="fa3"``: the one line it
+    is refused with (FA3 runs only on Hopper GPUs), or "" if it was built."""
+    warnings.simplefilter("ignore")
+    import parallel_state as ps
+    from tknp_megatron.engine.config import EngineConfig
+    from tknp_megatron.engine.factory import Mode, build_engine
+
+    groups = ps.initialize_model_parallel(tensor_model_parallel_size=world, token_parallel_size=1)
+    try:
+        build_engine(Mode.DCP, case.preset(), groups, EngineConfig(kv_tokens_per_node=256, attention_backend="fa3"),
+                     torch.device("cpu"), torch.float32, weights=0)
+        return ""
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        ps.destroy_model_parallel()

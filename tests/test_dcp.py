@@ -186,6 +186,15 @@ def _decode_shard(ks, vs, shard, degree, block_size, gen):
     return k_cache, v_cache, meta
 
 
+def _decode_step(lens, heads: int, d: int, seed: int):
+    """Random contexts ``[L_r, 1, d]`` (K and V) of requests of ``lens`` tokens and their
+    newest tokens' queries ``[R, heads, d]``: ``(ks, vs, q, generator)``."""
+    gen = torch.Generator().manual_seed(seed)
+    ks = [torch.randn(n, 1, d, generator=gen) for n in lens]
+    vs = [torch.randn(n, 1, d, generator=gen) for n in lens]
+    return ks, vs, torch.randn(len(lens), heads, d, generator=gen), gen
+
+
 @pytest.fixture(scope="module")
 def interpreted_kernels():
     """The kernels decorated under the interpreter (reloaded if imported without it)."""
@@ -206,12 +215,9 @@ def test_triton_decode_matches_partial_attention(interpreted_kernels, monkeypatc
     assert triton_decode_usable(torch.device("cpu"))
     if splits is not None:  # several splits, some of them empty
         monkeypatch.setattr(dcp_attention, "_TRITON", TritonConfig(num_splits=splits, block_n=16))
-    gen = torch.Generator().manual_seed(10 + degree)
     heads, d, block, scale = 4, 16, 4, 16 ** -0.5
     lens = [1, 2, 9, 37, 22]  # L = 1, 2: some shards hold nothing for that request
-    ks = [torch.randn(n, 1, d, generator=gen) for n in lens]
-    vs = [torch.randn(n, 1, d, generator=gen) for n in lens]
-    q = torch.randn(len(lens), heads, d, generator=gen)
+    ks, vs, q, gen = _decode_step(lens, heads, d, seed=10 + degree)
     outs, lses = [], []
     for j in range(degree):
         k_cache, v_cache, meta = _decode_shard(ks, vs, j, degree, block, gen)
@@ -247,12 +253,9 @@ def test_fa3_decode_matches_partial_attention(degree):
     from tknp_megatron.baselines.dcp_attention import partial_attention_fa3
 
     fa3, dev = FlashAttn3Backend(), torch.device("cuda")
-    gen = torch.Generator().manual_seed(20 + degree)
     heads, d, block, scale = 32, 128, 16, 128 ** -0.5
     lens = [1, 2, 9, 37, 300, 1000]  # L = 1: shard 1 holds nothing for that request
-    ks = [torch.randn(n, 1, d, generator=gen) for n in lens]
-    vs = [torch.randn(n, 1, d, generator=gen) for n in lens]
-    q = torch.randn(len(lens), heads, d, generator=gen)
+    ks, vs, q, gen = _decode_step(lens, heads, d, seed=20 + degree)
     outs, lses = [], []
     for j in range(degree):
         k_cache, v_cache, meta = _decode_shard(ks, vs, j, degree, block, gen)
@@ -274,6 +277,16 @@ def test_fa3_decode_matches_partial_attention(degree):
     merged = merge_partials(torch.stack(outs), torch.stack(lses))
     expected = torch.cat([attend_one_request(q[r : r + 1], ks[r], vs[r], scale) for r in range(len(lens))])
     torch.testing.assert_close(merged, expected, atol=3e-2, rtol=3e-2)
+
+
+def test_fa3_asked_for_where_it_does_not_run_is_refused_by_name():
+    """DCP with ``attention_backend="fa3"`` on a CPU: one line naming the backend and why."""
+    from tests.dcp_workers import fa3_refusal_worker
+    from tknp_megatron.launch import spawn
+
+    reasons = spawn(fa3_refusal_worker, 2, (CASES[0],), timeout_s=120)
+    assert reasons == ["DCP with attention_backend 'fa3': FA3 does not run here: "
+                       "cpu is not a CUDA device of compute capability 9.x"] * 2
 
 
 # ---------------------------------------------------------------- unit: padded decode inputs

@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 
 from parallel_state import TokenParallelGroups
-from tknp_megatron.attention.flash3 import FlashAttn3Backend, fa3_usable
-from tknp_megatron.attention.per_shape import auto_kernels, prefer_fa3
+from tknp_megatron.attention.flash3 import FlashAttn3Backend, fa3_supports_device, fa3_unavailable_reason, fa3_usable
+from tknp_megatron.attention.per_shape import prefer_fa3
 from tknp_megatron.baselines.dcp_attention import (
     merge_partials,
     partial_attention,
@@ -163,11 +163,13 @@ class DCPExecutor:
         self.scale = self.head_dim ** -0.5
         self.dtype = cfg.params_dtype
         self.fused_decode = triton_decode_usable(device)  # decode steps on the Triton kernel
-        self.fa3_rule = attention_backend in (None, "auto", "fa3")
-        self.fa3 = FlashAttn3Backend() if self.fa3_rule and fa3_usable(device) else None
+        fa3_rule = attention_backend in (None, "auto", "fa3")
+        self.fa3 = FlashAttn3Backend() if fa3_rule and fa3_usable(device) else None  # decode, per shape
         self.fa3_always = attention_backend == "fa3"
         if self.fa3_always and self.fa3 is None:
-            raise RuntimeError(f"DCP with attention_backend 'fa3': {auto_kernels(device)}")
+            why = fa3_unavailable_reason() if fa3_supports_device(device) else \
+                f"{device} is not a CUDA device of compute capability 9.x"
+            raise RuntimeError(f"DCP with attention_backend 'fa3': FA3 does not run here: {why}")
         # this shard's positions p = shard, shard + D, ... of its group's one KV head
         kv_slice = KVSlice(range(self.num_layers), (dcp.kv_head,), self.num_kv_heads, self.head_dim,
                            shard=dcp.shard, num_shards=dcp.degree)
