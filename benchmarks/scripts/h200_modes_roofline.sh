@@ -5,9 +5,12 @@
 # hidden), CUDA graphs, 128 output tokens, offered batches 64 and 128 at 32K and 64 at 64K.
 # On one GPU PP is one stage (its loop books a step before it plans the next, so its host
 # work is not hidden) and DCP one rank; the two-GPU layouts are x2_*.sh.
-# Usage: OUT=dir [MODES="tknp dp tp pp dcp"] [RUN_TIMEOUT=280] bash benchmarks/scripts/h200_modes_roofline.sh
+# FA3_SITE: a folder holding vllm/vllm_flash_attn/_vllm_fa3_C*.so (h200_fa3.sh says how to carry
+# it); when set, the default backend (auto) and DCP's shards run FA3 where it was measured faster.
+# Usage: OUT=dir [MODES="tknp dp tp pp dcp"] [FA3_SITE=dir] [RUN_TIMEOUT=280] bash benchmarks/scripts/h200_modes_roofline.sh
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
+if [ -n "${FA3_SITE:-}" ]; then export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$FA3_SITE"; fi
 export PYTHONUNBUFFERED=1
 for spec in "32768:64 128" "65536:64"; do
   ctx=${spec%%:*}; batches=${spec#*:}
