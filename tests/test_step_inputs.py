@@ -71,6 +71,17 @@ def test_packed_host_tensors_are_views_of_one_buffer_per_dtype():
             pack([np.zeros(2, np.float32), np.arange(1)]))
 
 
+def _count_advances(monkeypatch) -> list:
+    """A list that grows by one at every padded step derived from the one before
+    (``step_inputs._advance``)."""
+    from tknp_megatron.executor import step_inputs
+
+    advanced = []
+    real_advance = step_inputs._advance
+    monkeypatch.setattr(step_inputs, "_advance", lambda *a: advanced.append(1) or real_advance(*a))
+    return advanced
+
+
 def _assert_padded_alike(chain, fresh, where):
     assert chain.step == fresh.step and torch.equal(chain.index, fresh.index)
     assert (chain.real == fresh.real).all()
@@ -89,13 +100,10 @@ def _assert_padded_alike(chain, fresh, where):
 def test_a_derived_plans_padded_inputs_are_derived_from_the_last(nodes, monkeypatch):
     """padded_step: for a plan derived from the step before, the padded plan and each node's
     host inputs advanced from the previous step's are what pad_plan and host_inputs give."""
-    from tknp_megatron.executor import step_inputs
     from tknp_megatron.executor.step_inputs import padded_step
     from tests.helpers import lockstep_plans, mixed_requests
 
-    advanced = []
-    real_advance = step_inputs._advance
-    monkeypatch.setattr(step_inputs, "_advance", lambda *a: advanced.append(1) or real_advance(*a))
+    advanced = _count_advances(monkeypatch)
     plans = [derived or built for built, derived in lockstep_plans(mixed_requests(), nodes, 40)]
     followers = sum(p.follows >= 0 for p in plans)
     assert followers >= 12
@@ -112,13 +120,10 @@ def test_a_derived_plans_padded_inputs_are_derived_from_the_last(nodes, monkeypa
 def test_padded_inputs_of_plans_fed_the_booked_tokens_are_derived(microbatches, monkeypatch):
     """padded_step over PP's plans (fed from the host, each derived from its microbatch's
     plan before): the booked tokens land at the real rows, the rest as padded afresh."""
-    from tknp_megatron.executor import step_inputs
     from tknp_megatron.executor.step_inputs import padded_step
     from tests.helpers import booked_plans, mixed_requests
 
-    advanced = []
-    real_advance = step_inputs._advance
-    monkeypatch.setattr(step_inputs, "_advance", lambda *a: advanced.append(1) or real_advance(*a))
+    advanced = _count_advances(monkeypatch)
     plans = [derived or built for built, derived in booked_plans(mixed_requests(), microbatches, 60)]
     followers = sum(p.follows >= 0 for p in plans)
     assert followers >= 12
