@@ -139,3 +139,19 @@ def test_an_attention_backend_not_usable_here_is_refused_in_one_line(capsys):
     assert exit_.value.code == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert "--attention-backend fa3: not usable on cpu; choose one of " in line and "torch" in line
+
+
+def test_request_slots_per_node_reach_every_modes_engine(capsys):
+    """``--max-requests-per-node`` is the engines' slot count (and the graphs' largest bucket);
+    below 1 it is refused in one line before any process starts."""
+    import pytest
+
+    from tknp_megatron.tools.bench_serving import engine_config, parse_args
+
+    base = ["--model", "tiny", "--contexts", "24", "--batches", "2", "--kv-tokens-per-node", "64"]
+    assert engine_config(parse_args(base)).max_requests_per_node == 256
+    assert engine_config(parse_args(base + ["--max-requests-per-node", "3"])).max_requests_per_node == 3
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(base + ["--max-requests-per-node", "0"])
+    assert exit_.value.code == 2
+    assert "--max-requests-per-node 0: must be >= 1" in capsys.readouterr().err.strip().splitlines()[-1]

@@ -57,6 +57,9 @@ def parse_args(argv=None):
                    help="the longest request every mode serves (EngineConfig.max_sequence_length; "
                         "default: the model's): also the bound the CUDA graphs' attention is sized for")
     p.add_argument("--cuda-graphs", action="store_true")
+    p.add_argument("--max-requests-per-node", type=int, default=256, metavar="N",
+                   help="request slots per node (EngineConfig.max_requests_per_node; more wait in the "
+                        "queue): also the largest batch bucket the CUDA graphs capture at start")
     p.add_argument("--no-fused-elementwise", action="store_true",
                    help="on GPUs, run the element-wise work between the root's GEMMs on Megatron's "
                         "modules instead of fused kernels (EngineConfig.fused_elementwise)")
@@ -84,6 +87,8 @@ def parse_args(argv=None):
     problems = dense_format(args).problems(args.device)
     if not args.report_only:
         problems += trace_problems(args)
+    if args.max_requests_per_node < 1:
+        problems.append(f"--max-requests-per-node {args.max_requests_per_node}: must be >= 1")
     if args.force_dual and Mode.TKNP_DUAL.value not in args.modes:
         problems.append("--force-dual: only with --modes tknp-dual")
     if args.kv_weight_ratio is not None:
@@ -214,20 +219,26 @@ def default_cpu_kv_budget(args) -> int:
                for _, _, _, trace in traces(args))
 
 
+def engine_config(args):
+    """Every mode's :class:`~tknp_megatron.engine.config.EngineConfig`, from the flags."""
+    from tknp_megatron.engine.config import EngineConfig
+
+    return EngineConfig(block_size=args.block_size, kv_tokens_per_node=args.kv_tokens_per_node,
+                        gpu_memory_cap_gib=args.gpu_memory_gib, cuda_graphs=args.cuda_graphs,
+                        max_requests_per_node=args.max_requests_per_node, max_prefill_tokens=1 << 30,
+                        fused_elementwise=False if args.no_fused_elementwise else None,
+                        fused_rope=not args.no_fused_rope, attention_backend=args.attention_backend,
+                        max_sequence_length=args.max_sequence_length)
+
+
 def worker(rank, world, args):
     warnings.simplefilter("ignore")
     from tknp_megatron.analysis.serving import run_mode
-    from tknp_megatron.engine.config import EngineConfig
 
     device = torch.device("cpu")
     if args.device == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-    config = EngineConfig(block_size=args.block_size, kv_tokens_per_node=args.kv_tokens_per_node,
-                          gpu_memory_cap_gib=args.gpu_memory_gib, cuda_graphs=args.cuda_graphs,
-                          max_prefill_tokens=1 << 30,
-                          fused_elementwise=False if args.no_fused_elementwise else None,
-                          fused_rope=not args.no_fused_rope, attention_backend=args.attention_backend,
-                          max_sequence_length=args.max_sequence_length)
+    config = engine_config(args)
     attention = attention_description(args.attention_backend, device)
     dcp_attention = dcp_attention_description(device, args.attention_backend)
     if rank == 0:

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The whole Llama-3.1-70B (all 80 layers) with FP8-stored GEMM weights through Transformer
+# Engine (tensorwise recipe) on one H200: DP's replica (one GPU is also TP1 and a one-node
+# TKNP pool), served against its roofline step (bench_serving's meas/roof, FP8 weights
+# counted at one byte). This is the one-GPU half of the full-model rows: two such replicas
+# are DP on two H200s, while TKNP there stores one copy across both GPUs.
+# Needs megatron-core 0.16.1 and transformer-engine 2.20.2 on PYTHONPATH (the GPU machine has
+# neither: ../shared/DEVICE.md says how to carry them); FA3_SITE as in h200_modes_roofline.sh.
+# ROWS: "context:batches" per run, one engine build each (the weights are built and filled
+# layer by layer, FP8 from the start); batches past the KV capacity run in admission waves.
+# SLOTS: request slots (and graph buckets) per GPU, 32 by default: the KV of the whole model holds
+# about 20 requests of 8K there, and each of 256 buckets would be captured over 80 layers.
+# MIXED: flags of a mixed-length trace added to the last row's run (e.g. "--mixed-requests 24
+# --mixed-scale 0.5 --rates 2", the paper's lengths under Poisson arrivals).
+# Usage: OUT=dir [ROWS="8192:16 32768:4 65536:2"] [MIXED=flags] [FA3_SITE=dir] [RUN_TIMEOUT=240] bash benchmarks/scripts/h200_full_fp8.sh
+set -u
+OUT=${OUT:-out}; mkdir -p "$OUT"
+if [ -n "${FA3_SITE:-}" ]; then export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$FA3_SITE"; fi
+export PYTHONUNBUFFERED=1
+python -c "import torch, megatron.core, transformer_engine; \
+print('torch', torch.__version__, 'megatron-core', megatron.core.__version__, 'TE', transformer_engine.__version__)" 2>&1 | tail -1
+rows=(${ROWS:-8192:16 32768:4 65536:2})
+for spec in "${rows[@]}"; do
+  ctx=${spec%%:*}; batches=${spec#*:}; batches=${batches//,/ }
+  extra=""; [ "$spec" = "${rows[-1]}" ] && extra=${MIXED:-}
+  start=$(date +%s)
+  timeout -k 5 ${RUN_TIMEOUT:-240} python -m torch.distributed.run --nproc-per-node 1 -m tknp_megatron.tools.bench_serving \
+    --device cuda --model llama3.1-70b --fp8-recipe tensorwise --output-len 256 --cuda-graphs \
+    --modes dp --max-requests-per-node ${SLOTS:-32} --contexts $ctx --batches $batches $extra --out "$OUT/ctx$ctx" > "$OUT/ctx$ctx.log" 2>&1
+  echo "ctx $ctx: exit $? after $(( $(date +%s) - start )) s"
+  grep -E "^ +(mode|DP) |rror|memory|capacity" "$OUT/ctx$ctx.log" | grep -v -i warn | head -20
+  rm -f "$OUT/ctx$ctx"/*.png
+done
