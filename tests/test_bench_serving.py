@@ -23,6 +23,12 @@ def test_all_modes_one_invocation(tmp_path):
     modes = {r["mode"] for r in result["rows"]}
     assert modes == {"TKNP", "DP", "TP", "PP", "DCP", "TKNP-MQA"}
     assert result["tokens_agree"] and all(v == 1.0 for v in result["tokens_agree"].values())
+    # one engine per mode, built for its first trace and reused for the others
+    firsts = {}
+    for r in result["rows"]:
+        first = firsts.setdefault(r["mode"], r)
+        assert (r["engine_build_s"] > 0) == (r is first), (r["mode"], r["context"], r["arrival_rate"])
+    assert len(result["rows"]) > len(firsts)
     for r in result["rows"]:
         assert r["completed"] == r["offered_batch"] and r["rejected"] == 0
         assert r["completion_throughput_tok_s"] > 0
@@ -155,3 +161,24 @@ def test_request_slots_per_node_reach_every_modes_engine(capsys):
         parse_args(base + ["--max-requests-per-node", "0"])
     assert exit_.value.code == 2
     assert "--max-requests-per-node 0: must be >= 1" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_the_roofline_of_a_row_counts_fp8_weights_at_one_byte():
+    """Rows of an FP8 run are held against the roofline of FP8-stored weights."""
+    import types
+
+    from tknp_megatron.analysis.roofline import predicted_step_s
+    from tknp_megatron.analysis.workload import fixed_length
+    from tknp_megatron.config import PRESETS
+    from tknp_megatron.tools.bench_serving import _roofline
+
+    preset, trace = PRESETS["llama3.1-70b"], fixed_length(16, 8192, 256)
+    context = 8192 + 256 / 2
+    for recipe, elem in ((None, 2.0), ("tensorwise", 1.0)):
+        args = types.SimpleNamespace(device="cuda", tp=1, fp8_recipe=recipe)
+        predict = _roofline("dp", preset, trace, 1, args)
+        assert predict(16) == predicted_step_s("dp", preset, 1, 1, 16, context, weight_elem=elem)
+    bf16 = _roofline("dp", preset, trace, 1, types.SimpleNamespace(device="cuda", tp=1, fp8_recipe=None))(16)
+    fp8 = _roofline("dp", preset, trace, 1, types.SimpleNamespace(device="cuda", tp=1, fp8_recipe="tensorwise"))(16)
+    assert fp8 < 0.75 * bf16  # B = 16 at 8K: the weights' read is most of the step
+    assert _roofline("dp", preset, trace, 1, types.SimpleNamespace(device="cpu", tp=1, fp8_recipe=None)) is None

@@ -172,6 +172,53 @@ def test_engine_freezes_its_heap_and_the_teardown_collects_it():
     assert frozen["tokens"] == plain["tokens"] and all(len(t) == 3 for t in frozen["tokens"])
 
 
+def restart_worker(rank: int, world: int) -> dict:
+    """A tiny TKNP engine serving the same two requests (same ids) twice, its counts
+    restarted in between; restarting while a request runs is refused."""
+    import parallel_state as ps
+    from tknp_megatron.config import get_preset
+    from tknp_megatron.sampling import SamplingParams
+
+    groups = ps.initialize_model_parallel(tensor_model_parallel_size=1, token_parallel_size=1)
+    try:
+        config = EngineConfig(kv_tokens_per_node=256, cuda_graphs=True)
+        engine = build_engine(Mode.TKNP, get_preset("tiny"), groups, config, torch.device("cpu"), torch.float32)
+        rounds, refused = [], None
+        for round_ in range(2):
+            for rid, prompt in enumerate(([1, 2, 3], [4, 5])):
+                engine.add_request(prompt, SamplingParams(max_new_tokens=4), request_id=rid)
+            engine.step()
+            if round_ == 0:
+                try:
+                    engine.restart_counts()
+                except ValueError as err:
+                    refused = str(err)
+            engine.run_until_done()
+            rounds.append(dict(tokens=[list(engine.result(i).tokens) for i in range(2)],
+                               steps=engine.resident_steps, waves=engine.metrics().waves))
+            engine.restart_counts()
+            rounds[-1].update(left=len(engine.requests), steps_after=engine.resident_steps,
+                              peak_after=list(engine.peak_kv_tokens), timed_after=engine.loop_timing.steps)
+        return dict(rounds=rounds, refused=refused)
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_an_engine_serves_trace_after_trace_with_its_counts_restarted():
+    """``InferenceEngine.restart_counts`` (bench_serving builds each mode's engine once for
+    all its traces): the second round of the same requests gets the same tokens and counts
+    as the first; the books are empty after each restart, which refuses while a request runs."""
+    from tknp_megatron.launch import spawn
+
+    out = spawn(restart_worker, 1, (), timeout_s=180)[0]
+    first, second = out["rounds"]
+    assert "restart_counts: requests [0, 1]" in out["refused"]
+    assert first["tokens"] == second["tokens"] and all(len(t) == 4 for t in first["tokens"])
+    assert first["steps"] == second["steps"] > 0 and first["waves"] == second["waves"] == 1
+    for r in (first, second):
+        assert r["left"] == 0 and r["steps_after"] == 0 and r["peak_after"] == [0] and r["timed_after"] == 0
+
+
 def sequence_limit_worker(rank: int, world: int, limit) -> dict:
     """A tiny TKNP engine (graphs on the CPU's bucketed path) with ``max_sequence_length =
     limit``: its block-table width, its graphs' attention bound, and how three requests end."""

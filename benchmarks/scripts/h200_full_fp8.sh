@@ -4,30 +4,28 @@
 # TKNP pool), served against its roofline step (bench_serving's meas/roof, FP8 weights
 # counted at one byte). This is the one-GPU half of the full-model rows: two such replicas
 # are DP on two H200s, while TKNP there stores one copy across both GPUs.
+# One bench_serving invocation: the engine (weights built and filled layer by layer, FP8 from
+# the start; KV cache; CUDA graphs) is built once and serves every trace, CONTEXTS x BATCHES
+# (256 output tokens); offered batches past the KV capacity run in admission waves.
+# SLOTS: request slots (and graph buckets) per GPU, 32 by default: the whole model's KV holds
+# about 20 requests of 8K there, and each of 256 buckets would be captured over 80 layers.
+# MIXED: flags of a mixed-length trace added (e.g. "--mixed-requests 24 --mixed-scale 0.5
+# --rates 2", the paper's lengths under Poisson arrivals).
 # Needs megatron-core 0.16.1 and transformer-engine 2.20.2 on PYTHONPATH (the GPU machine has
 # neither: ../shared/DEVICE.md says how to carry them); FA3_SITE as in h200_modes_roofline.sh.
-# ROWS: "context:batches" per run, one engine build each (the weights are built and filled
-# layer by layer, FP8 from the start); batches past the KV capacity run in admission waves.
-# SLOTS: request slots (and graph buckets) per GPU, 32 by default: the KV of the whole model holds
-# about 20 requests of 8K there, and each of 256 buckets would be captured over 80 layers.
-# MIXED: flags of a mixed-length trace added to the last row's run (e.g. "--mixed-requests 24
-# --mixed-scale 0.5 --rates 2", the paper's lengths under Poisson arrivals).
-# Usage: OUT=dir [ROWS="8192:16 32768:4 65536:2"] [MIXED=flags] [FA3_SITE=dir] [RUN_TIMEOUT=240] bash benchmarks/scripts/h200_full_fp8.sh
+# Usage: OUT=dir [CONTEXTS="8192 32768 65536"] [BATCHES="2 4 16"] [SLOTS=32] [MIXED=flags]
+#        [FA3_SITE=dir] [RUN_TIMEOUT=540] bash benchmarks/scripts/h200_full_fp8.sh
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if [ -n "${FA3_SITE:-}" ]; then export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$FA3_SITE"; fi
 export PYTHONUNBUFFERED=1
 python -c "import torch, megatron.core, transformer_engine; \
 print('torch', torch.__version__, 'megatron-core', megatron.core.__version__, 'TE', transformer_engine.__version__)" 2>&1 | tail -1
-rows=(${ROWS:-8192:16 32768:4 65536:2})
-for spec in "${rows[@]}"; do
-  ctx=${spec%%:*}; batches=${spec#*:}; batches=${batches//,/ }
-  extra=""; [ "$spec" = "${rows[-1]}" ] && extra=${MIXED:-}
-  start=$(date +%s)
-  timeout -k 5 ${RUN_TIMEOUT:-240} python -m torch.distributed.run --nproc-per-node 1 -m tknp_megatron.tools.bench_serving \
-    --device cuda --model llama3.1-70b --fp8-recipe tensorwise --output-len 256 --cuda-graphs \
-    --modes dp --max-requests-per-node ${SLOTS:-32} --contexts $ctx --batches $batches $extra --out "$OUT/ctx$ctx" > "$OUT/ctx$ctx.log" 2>&1
-  echo "ctx $ctx: exit $? after $(( $(date +%s) - start )) s"
-  grep -E "^ +(mode|DP) |rror|memory|capacity" "$OUT/ctx$ctx.log" | grep -v -i warn | head -20
-  rm -f "$OUT/ctx$ctx"/*.png
-done
+start=$(date +%s)
+timeout -k 5 ${RUN_TIMEOUT:-540} python -m torch.distributed.run --nproc-per-node 1 -m tknp_megatron.tools.bench_serving \
+  --device cuda --model llama3.1-70b --fp8-recipe tensorwise --output-len 256 --cuda-graphs --modes dp \
+  --max-requests-per-node ${SLOTS:-32} --contexts ${CONTEXTS:-8192 32768 65536} --batches ${BATCHES:-2 4 16} \
+  ${MIXED:-} --out "$OUT/full_fp8" > "$OUT/full_fp8.log" 2>&1
+echo "exit $? after $(( $(date +%s) - start )) s"
+grep -E "^\[|^ +(mode|DP) |rror|Killed" "$OUT/full_fp8.log" | grep -v -i warn | head -40
+rm -f "$OUT/full_fp8"/*.png

@@ -1,13 +1,13 @@
-"""One trace, every parallel mode: build a mode's pool, replay a workload, collect metrics.
+"""Traces, every parallel mode: build a mode's pool, replay workloads on it, collect metrics.
 
 Modes (paper section 5.1) are :class:`~tknp_megatron.mode.Mode`, for a world of W ranks
 with T ranks per node: tknp, tknp-dual, dp (W / T replicas; requests round-robin), tp,
 pp and dcp (needs W > KV heads: run it on an MQA variant, and TKNP on the same variant
 for comparison); :func:`~tknp_megatron.engine.factory.build_engine` builds each.
 Prompts' KV arrives from "outside" (synthetic, identical in every mode), so runs measure
-decode only; metrics count from each request's release time in the workload. CUDA
-graphs, when asked for, apply to TKNP, DP, TP and PP (each stage's share of a step); the
-DCP baseline runs eagerly.
+decode only; metrics count from each request's release time in the workload. A mode's
+engine is built once and serves every workload in turn (:func:`run_mode`). CUDA
+graphs, when asked for, apply to every mode (PP: each stage's share of a step).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,7 @@ class ModeRun:
     host_ms_per_step: tuple = ()  # per rank: host work per step (LoopTiming)
     wait_ms_per_step: tuple = ()  # per rank: waiting per step (coordinators: for the GPU)
     host_ms_p50_per_step: tuple = ()  # per rank: median host work of a step (a decode step's)
+    engine_build_s: float = 0.0  # building the mode's engine (model, KV, graphs); 0: built for an earlier run
 
 
 def _arrivals(workload: Workload, vocab: int, seed: int, pool: int, pools: int) -> List[Arrival]:
@@ -72,56 +73,72 @@ def _warm_up(engine, workload: Workload, vocab: int, seed: int, pools: int) -> N
     if engine.groups.is_coordinator:
         engine.release_trace(_arrivals(warm, vocab, seed, engine.groups.pool, pools))
         engine.run_until_done()
-        engine.requests.clear()
-        engine.resident_steps = engine.resident_total = 0
-        engine.scheduler.waves = 0
     else:
         engine.serve()
-    engine.loop_timing.clear()
+    engine.restart_counts()
 
 
 def run_mode(
     mode: Mode,
     preset: ModelPreset,
-    workload: Workload,
+    workloads: Sequence[Workload],
     config: EngineConfig,
     tp: int,
     dtype: torch.dtype,
     device: torch.device,
     seed: int = 0,
     dense: DenseFormat = DenseFormat(),
-) -> Optional[ModeRun]:
-    """Build ``mode`` over the whole world with ``dense`` layers (FP8 or not), replay
-    ``workload``; global rank 0 gets the run."""
+) -> List[Optional[ModeRun]]:
+    """Build ``mode`` once over the whole world with ``dense`` layers (FP8 or not) and
+    replay each of ``workloads`` on it in turn, its counts restarted between them (a
+    model of 80 layers takes about a minute to build and capture: one build per mode, not
+    per trace). Global rank 0 gets a run per workload, the first with the engine's
+    build time; the other ranks Nones."""
     mode = Mode(mode)
     pools, nodes, t = mode.pool_shape(dist.get_world_size(), tp)
     groups = ps.initialize_model_parallel(tensor_model_parallel_size=t, token_parallel_size=nodes,
                                           num_pools=pools)
+    runs: List[Optional[ModeRun]] = []
     try:
+        start = time.perf_counter()
         engine = build_engine(mode, preset, groups, config, device, dtype, weights=seed, dense=dense)
-        _warm_up(engine, workload, preset.vocab_size, seed, pools)
-        arrivals = _arrivals(workload, preset.vocab_size, seed, groups.pool, pools)
         dist.barrier()
-        t0 = time.perf_counter()  # one clock for every process on the host
-        if groups.is_coordinator:
-            engine.release_trace(arrivals, t0)
-            engine.run_until_done()
-            mine = ([r.timeline for r in engine.requests.values()],
-                    {rid: tuple(r.generated) for rid, r in engine.requests.items()},
-                    engine.scheduler.waves, tuple(engine.kv_capacity_tokens),
-                    engine.mean_resident)
-        else:
-            engine.serve()
-            mine = None
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-        timings = [None] * dist.get_world_size()
-        dist.all_gather_object(timings, (*engine.loop_timing.per_step_ms(), engine.loop_timing.host_median_ms()))
+        build_s = time.perf_counter() - start
+        for i, workload in enumerate(workloads):
+            run = _replay(engine, mode, workload, preset.vocab_size, seed, pools)
+            if run is not None and i == 0:
+                run = dataclasses.replace(run, engine_build_s=build_s)
+            runs.append(run)
     finally:
         engine = None
         ps.destroy_model_parallel()  # (collects the engine first)
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    return runs
+
+
+def _replay(engine, mode: Mode, workload: Workload, vocab: int, seed: int, pools: int) -> Optional[ModeRun]:
+    """One workload on a built engine (every rank together); the run on global rank 0."""
+    groups = engine.groups
+    _warm_up(engine, workload, vocab, seed, pools)
+    arrivals = _arrivals(workload, vocab, seed, groups.pool, pools)
+    dist.barrier()
+    t0 = time.perf_counter()  # one clock for every process on the host
+    if groups.is_coordinator:
+        engine.release_trace(arrivals, t0)
+        engine.run_until_done()
+        mine = ([r.timeline for r in engine.requests.values()],
+                {rid: tuple(r.generated) for rid, r in engine.requests.items()},
+                engine.scheduler.waves, tuple(engine.kv_capacity_tokens),
+                engine.mean_resident)
+    else:
+        engine.serve()
+        mine = None
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    timings = [None] * dist.get_world_size()
+    dist.all_gather_object(timings, (*engine.loop_timing.per_step_ms(), engine.loop_timing.host_median_ms()))
+    engine.restart_counts()
     if dist.get_rank() != 0:
         return None
     run = _merge(mode, workload, [m for m in every if m is not None])

@@ -343,6 +343,23 @@ class InferenceEngine(abc.ABC):
             raise ValueError(f"request {request_id} has not ended ({req.status.value})")
         del self.requests[request_id]
 
+    def restart_counts(self) -> None:
+        """Start the serving counts afresh, as between two benchmark traces on one engine:
+        the coordinator forgets its ended requests (``ValueError`` while one is waiting or
+        running) and its counts of resident requests, admission waves and peak KV; every
+        rank its loop timing."""
+        self.loop_timing.clear()
+        if not self.groups.is_coordinator:
+            return
+        live = [r.request_id for r in self.requests.values()
+                if r.status in (RequestStatus.WAITING, RequestStatus.RUNNING)]
+        if live or self._arrivals or self._steps_in_flight():
+            raise ValueError(f"restart_counts: requests {live[:8]} (or arrivals, or a step) not ended")
+        self.requests.clear()
+        self.resident_steps = self.resident_total = 0
+        self.scheduler.waves = 0
+        self.peak_kv_tokens = [0] * len(self.block_counts)
+
     @property
     def mean_resident(self) -> float:
         """Requests resident per booked step, on average (coordinator)."""
