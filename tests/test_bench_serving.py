@@ -155,7 +155,11 @@ def test_request_slots_per_node_reach_every_modes_engine(capsys):
     from tknp_megatron.tools.bench_serving import engine_config, parse_args
 
     base = ["--model", "tiny", "--contexts", "24", "--batches", "2", "--kv-tokens-per-node", "64"]
-    assert engine_config(parse_args(base)).max_requests_per_node == 256
+    assert engine_config(parse_args(base)).max_requests_per_node == 2  # the most a trace has: never binds
+    many = ["--contexts", "24", "--batches", "300", "5", "--mixed-requests", "7", "--mixed-scale", "0.0001"]
+    assert engine_config(parse_args(base[:2] + many + ["--kv-tokens-per-node", "64"])).max_requests_per_node == 256
+    mixed = ["--contexts", "24", "--batches", "3", "--mixed-requests", "7", "--mixed-scale", "0.0001", "--rates", "50"]
+    assert engine_config(parse_args(base[:2] + mixed + ["--kv-tokens-per-node", "64"])).max_requests_per_node == 7
     assert engine_config(parse_args(base + ["--max-requests-per-node", "3"])).max_requests_per_node == 3
     with pytest.raises(SystemExit) as exit_:
         parse_args(base + ["--max-requests-per-node", "0"])

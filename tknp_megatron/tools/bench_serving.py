@@ -60,9 +60,10 @@ def parse_args(argv=None):
                    help="the longest request every mode serves (EngineConfig.max_sequence_length; "
                         "default: the model's): also the bound the CUDA graphs' attention is sized for")
     p.add_argument("--cuda-graphs", action="store_true")
-    p.add_argument("--max-requests-per-node", type=int, default=256, metavar="N",
+    p.add_argument("--max-requests-per-node", type=int, default=None, metavar="N",
                    help="request slots per node (EngineConfig.max_requests_per_node; more wait in the "
-                        "queue): also the largest batch bucket the CUDA graphs capture at start")
+                        "queue): also the largest batch bucket the CUDA graphs capture at start "
+                        "(default: the most requests a trace has, at most 256, so it never binds)")
     p.add_argument("--no-fused-elementwise", action="store_true",
                    help="on GPUs, run the element-wise work between the root's GEMMs on Megatron's "
                         "modules instead of fused kernels (EngineConfig.fused_elementwise)")
@@ -90,7 +91,7 @@ def parse_args(argv=None):
     problems = dense_format(args).problems(args.device)
     if not args.report_only:
         problems += trace_problems(args)
-    if args.max_requests_per_node < 1:
+    if args.max_requests_per_node is not None and args.max_requests_per_node < 1:
         problems.append(f"--max-requests-per-node {args.max_requests_per_node}: must be >= 1")
     if args.force_dual and Mode.TKNP_DUAL.value not in args.modes:
         problems.append("--force-dual: only with --modes tknp-dual")
@@ -109,6 +110,8 @@ def parse_args(argv=None):
               f"{args.kv_weight_ratio:g} of it)", flush=True)
     if args.device == "cpu" and args.kv_tokens_per_node is None and not args.report_only:
         args.kv_tokens_per_node = default_cpu_kv_budget(args)
+    if args.max_requests_per_node is None and not args.report_only:
+        args.max_requests_per_node = min(256, max(len(trace.requests) for *_, trace in traces(args)))
     args.dual = {}  # trace key -> DualPolicy, decided in main before the pool starts
     return args
 
