@@ -311,3 +311,47 @@ def test_fa3_ignores_unowned_slots_at_the_pages_auto_gives_it(block_size):
     ref = get_backend("torch", "cuda")(*case.args())
     assert torch.isfinite(out.float()).all()
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def _layers_on_prepared(name: str, case, shape):
+    """Four layers' calls of one step (different queries, the same metadata) on the step's
+    prepared schedule, each against the same call scheduling itself and the reference."""
+    backend = get_backend(name, "cuda")
+    meta = backend.prepare(case.meta, shape)
+    for layer in range(4):
+        q = case.q * (1 + 0.25 * layer)
+        out = backend(q, case.k_cache, case.v_cache, meta, case.scale)
+        alone = backend(q, case.k_cache, case.v_cache, case.meta, case.scale)
+        ref = get_backend("torch", "cuda")(q, case.k_cache, case.v_cache, case.meta, case.scale)
+        torch.testing.assert_close(out.float(), alone.float(), atol=1e-3, rtol=0)
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    return meta
+
+
+@pytest.mark.skipif(not _usable_on_cuda("fa3"), reason="vLLM's FA3 library and a Hopper GPU are optional; CI has neither")
+@pytest.mark.parametrize("query_lens,seq_lens,heads", [
+    ([1] * 5, [300, 40000, 17, 1200, 5000], (8, 1)),  # decode, FA3 splitting the long request
+    ([1] * 3, [300, 700, 1200], (64, 8)),
+    ([3, 1, 300], [300, 700, 1200], (8, 2)),  # a prompt beside decode rows
+])
+def test_fa3_runs_every_layer_of_a_step_on_the_steps_schedule(query_lens, seq_lens, heads):
+    """FA3's tile schedule (``get_scheduler_metadata``) made once by ``prepare`` serves
+    every layer's call of the step: the same output as each call scheduling itself."""
+    from tknp_megatron.attention import CallShape
+
+    case = make_paged_case(query_lens, seq_lens, num_heads=heads[0], num_kv_heads=heads[1], head_dim=128,
+                           block_size=16, dtype=torch.bfloat16, device="cuda", seed=3)
+    meta = _layers_on_prepared("fa3", case, CallShape(heads[0], heads[1], 128, 16, torch.bfloat16))
+    assert meta.prepared is not None and meta.prepared.backend == "fa3"
+
+
+@pytest.mark.skipif(not _usable_on_cuda("triton"), reason="a GPU with Triton is optional; CI has none")
+def test_triton_runs_every_layer_of_a_step_on_the_steps_plan():
+    """On a GPU, a decode step large enough to balance by default makes its split plan once
+    (``prepare``) for every layer's call: the same output as each call planning itself."""
+    from tknp_megatron.attention import CallShape
+
+    case = make_paged_case([1] * 4, [40000, 300, 20000, 1200], num_heads=64, num_kv_heads=8, head_dim=128,
+                           block_size=16, dtype=torch.bfloat16, device="cuda", seed=4)
+    meta = _layers_on_prepared("triton", case, CallShape(64, 8, 128, 16, torch.bfloat16))
+    assert meta.prepared is not None and meta.prepared.backend == "triton"

@@ -174,6 +174,87 @@ def test_split_plan_against_a_python_reference(seed):
     assert work.shape[0] - len(expected) <= num_req
 
 
+def test_a_step_plans_its_balanced_splits_once_for_every_layer(monkeypatch):
+    """``prepare`` launches the plan kernel once for a step; every layer's call takes that
+    plan (bit for bit the output of planning per call, and the reference's), a call that
+    would launch differently plans for itself, and steps that do not balance prepare nothing."""
+    from tknp_megatron.attention import CallShape
+    from tknp_megatron.attention.triton_paged import load_kernels
+
+    kernels = load_kernels()
+    real, plans = kernels.launch_split_plan, []
+    monkeypatch.setattr(kernels, "launch_split_plan", lambda *a: plans.append(1) or real(*a))
+    options = dict(balance=4, min_split_tokens=16, block_n=16)
+    backend = get_backend("triton", "cpu", **options)
+    case = make_paged_case([1] * 4, [300, 20, 150, 1], num_heads=4, num_kv_heads=2, head_dim=16, block_size=8, seed=5)
+    meta = backend.prepare(case.meta, CallShape(4, 2, 16, 8, torch.float32))
+    assert meta.prepared is not None and meta.prepared.backend == "triton" and plans == [1]
+    per_call = backend(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert len(plans) == 2  # unprepared: the call planned
+    layers = [backend(case.q, case.k_cache, case.v_cache, meta, case.scale) for _ in range(3)]
+    assert len(plans) == 2  # three layers of one step on the step's plan
+    for out in layers:
+        torch.testing.assert_close(out, per_call, atol=0, rtol=0)
+    torch.testing.assert_close(per_call, get_backend("torch")(*case.args()), **_tol(torch.float32))
+    # prepared for a shape whose launch differs (more KV heads: fewer splits each): the call plans itself
+    other = backend.prepare(case.meta, CallShape(64, 64, 16, 8, torch.float32))
+    if other.prepared is not None:
+        assert other.prepared.key != meta.prepared.key
+    backend(case.q, case.k_cache, case.v_cache, other, case.scale)
+    assert len(plans) == 4 - (other.prepared is None)
+    # nothing to prepare: a prompt step, one request, a launch that does not balance
+    prompt = make_paged_case([3, 1], [30, 20], num_heads=4, num_kv_heads=2, head_dim=16, block_size=8, seed=1)
+    assert backend.prepare(prompt.meta, CallShape(4, 2, 16, 8, torch.float32)) is prompt.meta
+    single = make_paged_case([1], [300], num_heads=4, num_kv_heads=2, head_dim=16, block_size=8, seed=1)
+    assert backend.prepare(single.meta, CallShape(4, 2, 16, 8, torch.float32)) is single.meta
+    uniform = get_backend("triton", "cpu", num_splits=2)
+    assert uniform.prepare(case.meta, CallShape(4, 2, 16, 8, torch.float32)) is case.meta
+
+
+def prepared_engine_worker(rank: int, world: int, backend: str) -> dict:
+    """A tiny engine (``world`` TKNP nodes, graphs on the CPU's bucketed path) on the Triton
+    kernel with balanced splits at these small lengths (``backend`` "triton"), or on the torch
+    reference: its tokens, the plan kernel's launches and the decode steps' layers."""
+    import parallel_state as ps
+    from tknp_megatron.attention.triton_paged import load_kernels
+    from tknp_megatron.config import get_preset
+    from tknp_megatron.engine.config import EngineConfig
+    from tknp_megatron.engine.factory import Mode, build_engine
+    from tknp_megatron.sampling import SamplingParams
+
+    kernels = load_kernels()
+    real, plans = kernels.launch_split_plan, []
+    kernels.launch_split_plan = lambda *a: plans.append(1) or real(*a)
+    groups = ps.initialize_model_parallel(tensor_model_parallel_size=1, token_parallel_size=world)
+    try:
+        config = EngineConfig(kv_tokens_per_node=512, cuda_graphs=True, attention_backend=backend)
+        engine = build_engine(Mode.TKNP, get_preset("tiny"), groups, config, torch.device("cpu"), torch.float32)
+        if backend == "triton":  # slices of 16 tokens, so these short requests balance as long ones do
+            engine.executor.attend.backend = get_backend("triton", "cpu", balance=2, min_split_tokens=16,
+                                                         block_n=16, balance_min_work=0)
+        prompts = [[1, 2, 3] * 20, [4, 5], [6] * 33, [7, 8, 9, 10] * 9]
+        results = engine.generate(prompts, SamplingParams(max_new_tokens=6))
+        return dict(tokens=[list(r.tokens) for r in results], plans=len(plans),
+                    layers=engine.executor.placement.num_layers)
+    finally:
+        kernels.launch_split_plan = real
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_an_engine_step_plans_once_and_keeps_its_tokens(world):
+    """In an engine's decode steps (TKNP, one and two nodes) the balanced plan is made once
+    per step and node, not per layer, and the tokens are the torch reference's."""
+    from tknp_megatron.launch import spawn
+
+    ranks = spawn(prepared_engine_worker, world, ("triton",), timeout_s=240)
+    ref = spawn(prepared_engine_worker, world, ("torch",), timeout_s=240)[0]
+    assert ranks[0]["tokens"] == ref["tokens"] and [len(t) for t in ref["tokens"]] == [6] * 4
+    assert ranks[0]["layers"] > 1
+    for r in ranks:  # the decode steps of 1-4 requests per node: at most one plan each
+        assert 0 < r["plans"] <= 6
+
+
 def test_decode_balanced_half_and_uniform_callers():
     """bf16 through the balanced path; a caller that does not ask for balance (DCP's
     partial attention, whose merge reads every slice) keeps uniform splits."""
@@ -275,7 +356,7 @@ def test_bench_per_model_shapes_and_launch_choice(tmp_path):
         [sys.executable, "-m", "tknp_megatron.tools.bench_attention", "--dry-run", "--models", "nemotron4-340b",
          "--tp", "8", "--configs", "auto", "16:4:2:2", "16:4:2@4", "--spread", "0.5", "--min-split-tokens", "16",
          "--num-splits", "0", "--balance-min-work", "0",  # tiny shapes: balanced as a big one would be
-         "--out", str(out)],
+         "--prepared", "--out", str(out)],
         capture_output=True, text=True, timeout=120, cwd=REPO,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -287,6 +368,7 @@ def test_bench_per_model_shapes_and_launch_choice(tmp_path):
         assert auto["budget_splits"] > 0  # balanced splits by default
         assert not fixed["auto"] and (fixed["block_n"], fixed["waves"]) == (16, 2)
         assert balanced["balance"] == 4 and 0 < balanced["budget_splits"] <= balanced["num_splits"]
+        assert r["triton_prepared"] and r["triton_prepared_us"] > 0  # timed on the step's plan too
         assert all(c["rel_err"] < 1e-2 for c in r["configs"])
         assert r["launch"] == f"128:4:2 s{auto['num_splits']}/{auto['budget_splits']}"
         assert r["mean_ctx"] == 0.75 * r["ctx"] and "sdpa_us" not in r  # 2 requests: ctx and ctx / 2

@@ -21,7 +21,7 @@ from tknp_megatron.attention import per_shape as _per_shape  # noqa: F401  (regi
 from tknp_megatron.attention import sdpa as _sdpa  # noqa: F401  (registers "sdpa")
 from tknp_megatron.attention import torch_ref as _torch_ref  # noqa: F401  (registers "torch")
 from tknp_megatron.attention import triton_paged as _triton_paged  # noqa: F401  (registers "triton"; imports triton lazily)
-from tknp_megatron.attention.base import AttentionBackend, AttentionMetadata
+from tknp_megatron.attention.base import AttentionBackend, AttentionMetadata, CallShape, PreparedLaunch
 from tknp_megatron.attention.registry import (
     available_backends,
     backend_problem,
@@ -48,6 +48,8 @@ from tknp_megatron.attention.triton_paged import (
 __all__ = [
     "AttentionMetadata",
     "AttentionBackend",
+    "CallShape",
+    "PreparedLaunch",
     "get_backend",
     "available_backends",
     "backend_problem",

@@ -15,13 +15,53 @@ row at position ``p`` sees cache positions ``0..p``). With ``Hq`` query heads an
 from __future__ import annotations
 
 import abc
+import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["AttentionMetadata", "AttentionBackend", "check_attention_inputs", "check_flash_inputs",
-           "flash_inputs_problem"]
+__all__ = ["AttentionMetadata", "AttentionBackend", "CallShape", "PreparedLaunch", "check_attention_inputs",
+           "check_flash_inputs", "flash_inputs_problem"]
+
+
+@dataclass(frozen=True)
+class CallShape:
+    """The host shape of one owner's attention calls, the same in every layer of a step.
+
+    Attributes:
+        heads: query heads (``Hq``) on this rank.
+        kv_heads: KV heads (``Hkv``) on this rank.
+        head_dim: ``d``.
+        block_size: tokens per page of the cache.
+        dtype: the dtype of ``q`` and of the cache.
+    """
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+
+# eq=False: the fields are tensors.
+@dataclass(frozen=True, eq=False)
+class PreparedLaunch:
+    """Device work a backend does once per step for every layer's call: a kernel's schedule
+    over the step's ``seq_lens`` (the Triton kernel's balanced split plan, FA3's scheduler
+    metadata), made by :meth:`AttentionBackend.prepare` inside the step (so a CUDA graph
+    replays it with the step). A call uses it only when it would make the same schedule
+    itself: same ``backend`` and ``key`` (the host ints the schedule was made for).
+
+    Attributes:
+        backend: the name of the backend that made it.
+        key: the host ints of the launch it schedules.
+        tensors: the schedule, on the device.
+    """
+
+    backend: str
+    key: Tuple
+    tensors: Tuple[torch.Tensor, ...]
 
 
 # eq=False: the fields are tensors, so a generated __eq__ would be ambiguous.
@@ -38,6 +78,7 @@ class AttentionMetadata:
             arbitrary but valid ids, e.g. 0).
         max_query_len: host int; 1 means pure decode (one query row per request).
         max_seq_len: host int; an upper bound of ``seq_lens`` (used for grid sizing).
+        prepared: the step's :class:`PreparedLaunch` (None: every call schedules itself).
     """
 
     query_start_loc: torch.Tensor
@@ -45,6 +86,7 @@ class AttentionMetadata:
     block_table: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    prepared: Optional[PreparedLaunch] = None
 
     def __post_init__(self) -> None:
         # Host-only checks (shapes, dtypes): nothing here reads device memory.
@@ -66,6 +108,11 @@ class AttentionMetadata:
     def num_requests(self) -> int:
         """R, the number of requests (host int)."""
         return self.seq_lens.shape[0]
+
+    def prepared_for(self, backend: str, key: Tuple) -> Optional[Tuple[torch.Tensor, ...]]:
+        """The prepared schedule's tensors if ``backend`` made it for ``key``, else None."""
+        p = self.prepared
+        return p.tensors if p is not None and p.backend == backend and p.key == key else None
 
     @classmethod
     def from_lengths(
@@ -176,6 +223,18 @@ class AttentionBackend(abc.ABC):
         return self._forward(q, k_cache, v_cache, meta, float(scale))
 
     __call__ = forward
+
+    def prepare(self, meta: AttentionMetadata, shape: CallShape) -> AttentionMetadata:
+        """``meta`` with this step's :class:`PreparedLaunch` for calls of ``shape``: device work
+        that every layer's call would otherwise repeat, done once per step (device work only,
+        no host sync, so a graph's captured body can run it). The default prepares nothing;
+        a backend whose kernel schedules over ``seq_lens`` overrides it."""
+        return meta
+
+    @staticmethod
+    def with_prepared(meta: AttentionMetadata, prepared: Optional[PreparedLaunch]) -> AttentionMetadata:
+        """``meta`` carrying ``prepared`` (``meta`` itself when there is nothing)."""
+        return meta if prepared is None else dataclasses.replace(meta, prepared=prepared)
 
     @abc.abstractmethod
     def _forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -49,7 +49,7 @@ from typing import Optional
 
 import torch
 
-from tknp_megatron.attention.base import AttentionBackend, AttentionMetadata, flash_inputs_problem
+from tknp_megatron.attention.base import AttentionBackend, AttentionMetadata, CallShape, flash_inputs_problem
 from tknp_megatron.attention.flash3 import (
     FlashAttn3Backend,
     fa3_available,
@@ -128,6 +128,15 @@ class PerShapeBackend(AttentionBackend):
 
     def _forward(self, q, k_cache, v_cache, meta, scale):
         return self.choose(q, k_cache, meta)._forward(q, k_cache, v_cache, meta, scale)
+
+    def prepare(self, meta: AttentionMetadata, shape: CallShape) -> AttentionMetadata:
+        """The step's schedule of the kernel that this step's calls of ``shape`` run on."""
+        if prefer_fa3(shape.dtype, shape.head_dim, shape.block_size, meta.max_query_len, meta.max_seq_len,
+                      shape.heads // shape.kv_heads):
+            fa3 = self.fa3_here(meta.seq_lens.device)
+            if fa3 is not None:
+                return fa3.prepare(meta, shape)
+        return self.triton.prepare(meta, shape)
 
 
 register_backend("auto", PerShapeBackend, available=triton_importable, supports=triton_supports_device)

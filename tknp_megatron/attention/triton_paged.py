@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from tknp_megatron.attention.base import AttentionBackend, AttentionMetadata
+from tknp_megatron.attention.base import AttentionBackend, AttentionMetadata, CallShape, PreparedLaunch
 from tknp_megatron.attention.registry import register_backend
 from tknp_megatron.attention.sdpa import sdpa_paged
 
@@ -347,10 +347,32 @@ class TritonPagedBackend(AttentionBackend):
         every one has its row."""
         num_req, num_kv_heads = meta.num_requests, k_cache.shape[2]
         group_pad = decode_group_pad(q.shape[1], num_kv_heads)
-        launch = decode_launch(num_req * num_kv_heads, meta.max_seq_len, q.shape[2], device_num_sms(q.device),
-                               self.config, balanced=1 < num_req == q.shape[0],  # the merge maps row i to request i
-                               group=q.shape[1] // num_kv_heads)
+        launch = self._decode_launch(meta, q.shape[1], num_kv_heads, q.shape[2], q.device,
+                                     balanced=1 < num_req == q.shape[0])  # the merge maps row i to request i
         return self._run(q, k_cache, v_cache, meta, scale, num_req, 1, group_pad, None, launch)
+
+    def _decode_launch(self, meta, heads: int, kv_heads: int, head_dim: int, device, balanced: bool) -> DecodeLaunch:
+        return decode_launch(meta.num_requests * kv_heads, meta.max_seq_len, head_dim, device_num_sms(device),
+                             self.config, balanced=balanced, group=heads // kv_heads)
+
+    def prepare(self, meta: AttentionMetadata, shape: CallShape) -> AttentionMetadata:
+        """The step's balanced split plan (the plan kernel's launch), made once for every
+        layer's decode call: a step of ``L`` layers launched it ``L`` times, a few
+        microseconds each (``docs/ARCHITECTURE.md``, "Paged decode attention"). Only
+        pure-decode steps of several requests, where the call would balance."""
+        if meta.max_query_len > 1 or meta.num_requests < 2:
+            return meta
+        launch = self._decode_launch(meta, shape.heads, shape.kv_heads, shape.head_dim, meta.seq_lens.device,
+                                     balanced=True)
+        if not launch.budget_splits:
+            return meta
+        plan = load_kernels().launch_split_plan(meta.seq_lens, launch.budget_splits, launch.num_splits,
+                                                launch.block_n)
+        return self.with_prepared(meta, PreparedLaunch(self.name, self._plan_key(meta, launch), plan))
+
+    @staticmethod
+    def _plan_key(meta, launch: DecodeLaunch):
+        return (meta.num_requests, launch.budget_splits, launch.num_splits, launch.block_n)
 
     def varlen(self, q, k_cache, v_cache, meta, scale) -> torch.Tensor:
         """Any query lengths: tiles of ``BLOCK_Q`` rows x the head group (:func:`prefill_tile`)."""
@@ -369,8 +391,10 @@ class TritonPagedBackend(AttentionBackend):
         kernels = load_kernels()
         splits = how.num_splits
         plan = None
-        if how.budget_splits:  # per call, so a graph replays it: a plan kept across calls would go stale
-            plan = kernels.launch_split_plan(meta.seq_lens, how.budget_splits, splits, how.block_n)
+        if how.budget_splits:  # the step's (prepare), else this call's: a plan kept across steps would go stale
+            plan = meta.prepared_for(self.name, self._plan_key(meta, how))
+            if plan is None:
+                plan = kernels.launch_split_plan(meta.seq_lens, how.budget_splits, splits, how.block_n)
         out = torch.empty_like(q)
         launch = functools.partial(
             kernels.launch_paged_attention, q, k_cache, v_cache, meta=meta, scale=scale,

@@ -203,6 +203,7 @@ class PPExecutor:
     def _forward(self, inp, hidden: Optional[torch.Tensor]):
         """The stage's computation over prepared inputs: (stage 0) the embedding, the
         stage's layers, and (last stage) the logits and tokens."""
+        inp = self.attend.prepare(inp)  # the attention kernel's schedule, once for every layer
         if self.stage == 0:
             hidden = self.model.embedding(inp.tokens.unsqueeze(0), position_ids=None)
         for layer in self.model.layer_ids:

@@ -117,6 +117,8 @@ class DualRootExecutor(TKNPExecutor):
         Returns each microbatch's final hidden state ``[rows, 1, D]`` on its last root
         (None elsewhere, and for an empty microbatch).
         """
+        # each microbatch's attention schedule, once for every layer
+        inputs = [None if inp is None else self.attend.prepare(inp) for inp in inputs]
         live = [m for m in (0, 1) if inputs[m] is not None]
         last = self.placement.num_layers - 1
         hidden = [None, None]  # per microbatch, on its current root: the layer's input

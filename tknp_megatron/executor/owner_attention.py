@@ -8,9 +8,11 @@ Input is this TP rank's fused QKV columns for the owner's rows, in Megatron's la
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from tknp_megatron.attention import AttentionBackend
+from tknp_megatron.attention import AttentionBackend, CallShape
 from tknp_megatron.executor.rope import Rope
 from tknp_megatron.kv_cache import PagedKVCache
 
@@ -36,6 +38,14 @@ class OwnerAttention:
         self.fused_rope = fused_rope
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.scale = head_dim ** -0.5
+        self.call_shape = CallShape(heads, kv_heads, head_dim, kv.spec.block_size, kv.spec.dtype)
+
+    def prepare(self, inp):
+        """``inp`` (the step's StepInputs) with the attention kernel's schedule for this step
+        made once, for every layer's call (:meth:`AttentionBackend.prepare`); device work
+        only, so it runs inside a graph's captured step."""
+        meta = self.backend.prepare(inp.meta, self.call_shape)
+        return inp if meta is inp.meta else dataclasses.replace(inp, meta=meta)
 
     @property
     def qkv_width(self) -> int:

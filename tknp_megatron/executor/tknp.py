@@ -143,6 +143,7 @@ class TKNPExecutor:
                 top_n: int = -1) -> StepOutput:
         """The layer loop and sampling over prepared inputs (log-probs with ``top_n`` top
         tokens when ``top_n >= 0``)."""
+        inp = self.attend.prepare(inp)  # the attention kernel's schedule, once for every layer
         hidden = self._embed(inp) if self.node == self.placement.root_of_layer(0) else None
         num_layers = self.placement.num_layers
         for layer in range(num_layers):

@@ -98,6 +98,10 @@ def parse_args(argv=None):
                    help="also run each column CALLS times under torch.profiler: its kernels' mean time per call "
                         "(JSON 'kernels'), e.g. a split launch's plan, attention and merge apart")
     p.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph timing of triton")
+    p.add_argument("--prepared", action="store_true",
+                   help="also time the reported Triton config and each library on the step's prepared schedule "
+                        "(AttentionBackend.prepare, made once outside the timed call as an engine step makes it "
+                        "once for all its layers): columns *_prepared_us")
     p.add_argument("--out", default=None)
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
     args = p.parse_args(argv)
@@ -365,7 +369,20 @@ def check_triton(env, args, case, qs, row, jobs):
         jobs.add(timing, "us", lambda i, c=call: c(qs[i % len(qs)]))
         if graphs:
             jobs.add(timing, "graph_us", graph_replay(env, call, qs))
+        if i == 0 and args.prepared:
+            add_prepared(env, backend, case, qs, row, "triton", jobs, graphs)
     return out, (ref, rows)
+
+
+def add_prepared(env, backend, case, qs, row, name, jobs, graphs):
+    """``name``'s call on the step's prepared schedule (``backend.prepare`` once, outside the
+    timing) added to ``jobs`` as ``row[name + "_prepared_us"]``; ``row[name + "_prepared"]``
+    says whether the backend prepared anything for this shape."""
+    shape = env["attn"].CallShape(row["hq"], row["hkv"], row["head_dim"], row["block_size"], case.q.dtype)
+    meta = backend.prepare(case.meta, shape)
+    row[f"{name}_prepared"] = meta.prepared is not None
+    call = lambda q: backend(q, case.k_cache, case.v_cache, meta, case.scale)
+    jobs.add(row, f"{name}_prepared_us", graph_replay(env, call, qs) if graphs else lambda i: call(qs[i % len(qs)]))
 
 
 def reference(env, args, case, batch):
@@ -422,6 +439,8 @@ def check_library(env, name, args, case, qs, row, ref, jobs):
     eager = lambda i: call(qs[i % len(qs)])
     jobs.add(row, f"{name}_eager_us", eager)
     jobs.add(row, f"{name}_us", eager if args.no_graphs else graph_replay(env, call, qs))
+    if args.prepared:
+        add_prepared(env, backend, case, qs, row, name, jobs, env["device"].type == "cuda" and not args.no_graphs)
 
 
 def check_fa3_variants(env, args, case, qs, row, ref, jobs):
