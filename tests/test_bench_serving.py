@@ -186,3 +186,42 @@ def test_the_roofline_of_a_row_counts_fp8_weights_at_one_byte():
     fp8 = _roofline("dp", preset, trace, 1, types.SimpleNamespace(device="cuda", tp=1, fp8_recipe="tensorwise"))(16)
     assert fp8 < 0.75 * bf16  # B = 16 at 8K: the weights' read is most of the step
     assert _roofline("dp", preset, trace, 1, types.SimpleNamespace(device="cpu", tp=1, fp8_recipe=None)) is None
+
+
+class CutShort(Exception):
+    """A time limit right after a mode's first trace."""
+
+
+def cut_short_worker(rank: int, world: int) -> dict:
+    """``run_mode`` over two traces whose caller stops after the first one's run is handed
+    over: which runs it saw."""
+    import torch
+
+    from tknp_megatron.analysis.serving import run_mode
+    from tknp_megatron.analysis.workload import fixed_length
+    from tknp_megatron.config import get_preset
+    from tknp_megatron.engine.config import EngineConfig
+    from tknp_megatron.mode import Mode
+
+    seen = []
+
+    def on_run(i, run):
+        seen.append((i, run.workload, run.metrics.completed))
+        raise CutShort
+
+    try:
+        run_mode(Mode.DP, get_preset("tiny"), [fixed_length(2, 8, 3), fixed_length(3, 8, 3)],
+                 EngineConfig(kv_tokens_per_node=256), 1, torch.float32, torch.device("cpu"), on_run=on_run)
+    except CutShort:
+        return dict(seen=seen, cut=True)
+    return dict(seen=seen, cut=False)
+
+
+def test_each_trace_is_handed_over_before_the_next_runs():
+    """``run_mode`` hands each trace's run to its caller (bench_serving saves the row to
+    partial.jsonl) as soon as it ran, so a mode serving many traces on one engine keeps the
+    finished ones when a time limit stops it."""
+    from tknp_megatron.launch import spawn
+
+    out = spawn(cut_short_worker, 1, (), timeout_s=180)[0]
+    assert out == dict(seen=[(0, "fixed-b2-isl8-osl3", 2)], cut=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -88,12 +88,15 @@ def run_mode(
     device: torch.device,
     seed: int = 0,
     dense: DenseFormat = DenseFormat(),
+    on_run: Optional[Callable[[int, Optional[ModeRun]], None]] = None,
 ) -> List[Optional[ModeRun]]:
     """Build ``mode`` once over the whole world with ``dense`` layers (FP8 or not) and
     replay each of ``workloads`` on it in turn, its counts restarted between them (a
     model of 80 layers takes about a minute to build and capture: one build per mode, not
     per trace). Global rank 0 gets a run per workload, the first with the engine's
-    build time; the other ranks Nones."""
+    build time; the other ranks Nones. ``on_run(i, run)``, if given, is called on every
+    rank as soon as workload ``i`` has run (a caller cut short by a time limit keeps the
+    runs before)."""
     mode = Mode(mode)
     pools, nodes, t = mode.pool_shape(dist.get_world_size(), tp)
     groups = ps.initialize_model_parallel(tensor_model_parallel_size=t, token_parallel_size=nodes,
@@ -109,6 +112,8 @@ def run_mode(
             if run is not None and i == 0:
                 run = dataclasses.replace(run, engine_build_s=build_s)
             runs.append(run)
+            if on_run is not None:
+                on_run(i, run)
     finally:
         engine = None
         ps.destroy_model_parallel()  # (collects the engine first)

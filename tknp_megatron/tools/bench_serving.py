@@ -261,11 +261,12 @@ def worker(rank, world, args):
             entry[2].append(trace)
     rows = {}
     for (label, mode, _), (preset, places, mode_traces) in runs_of.items():
-        runs = run_mode(Mode(mode), preset, mode_traces, config, args.tp,
-                        dtype_from_name(args.dtype), device, args.seed, dense_format(args))
-        if rank != 0:
-            continue
-        for (i, j), run in zip(places, runs):
+
+        def keep(k: int, run, label=label, mode=mode, preset=preset, places=places) -> None:
+            """Rank 0: trace ``k`` of this mode's row, saved and printed as soon as it ran."""
+            if rank != 0:
+                return
+            i, j = places[k]
             ctx, batch, rate, trace = keyed[i]
             row = _row(label, ctx, batch, rate, run, _roofline(mode, preset, trace, world, args),
                        dcp_attention if Mode(mode) is Mode.DCP else attention)
@@ -276,6 +277,9 @@ def worker(rank, world, args):
             built = f", engine built in {run.engine_build_s:.1f} s" if run.engine_build_s else ""
             print(f"[{len(rows)}] {label:>8} ctx={ctx} batch={batch} rate={rate}: "
                   f"{m.completion_throughput_tok_s:.1f} tok/s, waves {m.waves}{built}", flush=True)
+
+        run_mode(Mode(mode), preset, mode_traces, config, args.tp, dtype_from_name(args.dtype), device,
+                 args.seed, dense_format(args), on_run=keep)
     return [rows[k] for k in sorted(rows)]
 
 
