@@ -22,10 +22,14 @@ split-K count per shape, taken from the host ints of the call (the batch, the he
 ``max_seqlen_k``), so a CUDA graph replays the count it was captured with.
 
 FA3 schedules each call's tiles over the requests' lengths with a small kernel of its own
-before the attention kernel. :meth:`FlashAttn3Backend.prepare` runs that schedule once per
-step (the extension's ``get_scheduler_metadata``, as vLLM's engine does) and every layer's
-call takes it as ``scheduler_metadata``, so a step of ``L`` layers runs it once, not ``L``
-times; a build without ``get_scheduler_metadata`` schedules per call as before.
+before the attention kernel. That schedule is not made once per step for every layer (as
+the Triton kernel's split plan is, ``AttentionBackend.prepare``): passing one
+``get_scheduler_metadata`` result to several calls faulted on an H100 (an illegal memory
+access at B = 128 x 4K, 64/8 heads, when calls on the shared schedule replayed between
+calls that scheduled themselves; ``benchmarks/RESULTS.md``, eleventh session). The likely
+cause: the schedule holds the persistent scheduler's tile counter, which FA3 resets in its
+own scheduling kernel or in its split merge, so a shared schedule whose calls run one split
+starts later calls from a used counter. Each call schedules itself.
 
 At pages of 128 tokens or more FA3 loads a request's last page whole and weighs the slots
 past its length by zero, so a NaN left there (by an earlier owner of the page) makes this
@@ -43,8 +47,7 @@ from typing import Optional
 
 import torch
 
-from tknp_megatron.attention.base import (AttentionBackend, AttentionMetadata, CallShape, PreparedLaunch,
-                                          check_flash_inputs, flash_inputs_problem)
+from tknp_megatron.attention.base import AttentionBackend, AttentionMetadata, check_flash_inputs
 from tknp_megatron.attention.registry import register_backend
 
 __all__ = ["FlashAttn3Backend", "fa3_available", "fa3_library_path", "fa3_supports_device",
@@ -144,28 +147,6 @@ class FlashAttn3Backend(AttentionBackend):
                        scheduler_metadata=None, pack_gqa=pack_gqa, sm_margin=0, s_aux=None,
                        cp_world_size=1, cp_rank=0, cp_tot_seqused_k=None)
         self._fixed = {k: v for k, v in neutral.items() if k in names}
-        self._schedule = getattr(getattr(torch.ops, OP_NAMESPACE), "get_scheduler_metadata", None)
-        if "scheduler_metadata" not in names:
-            self._schedule = None
-
-    def _key(self, shape: CallShape, meta: AttentionMetadata):
-        """The host ints FA3's schedule depends on, for a call of ``shape`` over ``meta``."""
-        return (meta.num_requests, max(meta.max_query_len, 1), meta.max_seq_len, shape.heads, shape.kv_heads,
-                shape.head_dim, shape.dtype, shape.block_size, self.num_splits, self.pack_gqa)
-
-    def prepare(self, meta: AttentionMetadata, shape: CallShape) -> AttentionMetadata:
-        """The step's tile schedule (FA3's ``get_scheduler_metadata`` over ``seq_lens``), made
-        once for every layer's call of ``shape`` (module docstring)."""
-        if self._schedule is None or meta.num_requests == 0 or flash_inputs_problem("fa3", shape.dtype, shape.head_dim):
-            return meta
-        schedule = self._schedule(
-            batch_size=meta.num_requests, max_seqlen_q=max(meta.max_query_len, 1), max_seqlen_k=meta.max_seq_len,
-            num_heads=shape.heads, num_heads_k=shape.kv_heads, headdim=shape.head_dim, headdim_v=shape.head_dim,
-            qkv_dtype=shape.dtype, seqused_k=meta.seq_lens, cu_seqlens_q=meta.query_start_loc, cu_seqlens_k=None,
-            cu_seqlens_k_new=None, seqused_q=None, leftpad_k=None, page_size=shape.block_size, max_seqlen_k_new=0,
-            is_causal=True, window_size_left=-1, window_size_right=-1, has_softcap=False,
-            num_splits=self.num_splits, pack_gqa=self.pack_gqa, sm_margin=0)
-        return self.with_prepared(meta, PreparedLaunch(self.name, self._key(shape, meta), (schedule,)))
 
     def _forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale):
         """``q [rows, Hq, d]``, caches ``[num_blocks, block_size, Hkv, d]`` -> ``[rows, Hq, d]``."""
@@ -185,18 +166,12 @@ class FlashAttn3Backend(AttentionBackend):
     def _call(self, q, k_cache, v_cache, meta: AttentionMetadata, scale):
         """FA3's ``fwd`` over the paged cache: ``[out [rows, Hq, d], softmax_lse [Hq, rows], ...]``."""
         check_flash_inputs("fa3", q)
-        fixed = self._fixed
-        if meta.prepared is not None:
-            shape = CallShape(q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], q.dtype)
-            schedule = meta.prepared_for(self.name, self._key(shape, meta))
-            if schedule is not None:
-                fixed = dict(fixed, scheduler_metadata=schedule[0])
         return self._fwd(
             q=q, k=k_cache, v=v_cache, out=None,
             cu_seqlens_q=meta.query_start_loc, seqused_k=meta.seq_lens,
             max_seqlen_q=max(meta.max_query_len, 1), max_seqlen_k=meta.max_seq_len,
             page_table=meta.block_table.contiguous(), softmax_scale=scale, is_causal=True,
-            num_splits=self.num_splits, **fixed,
+            num_splits=self.num_splits, **self._fixed,
         )
 
 

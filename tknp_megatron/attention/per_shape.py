@@ -130,7 +130,8 @@ class PerShapeBackend(AttentionBackend):
         return self.choose(q, k_cache, meta)._forward(q, k_cache, v_cache, meta, scale)
 
     def prepare(self, meta: AttentionMetadata, shape: CallShape) -> AttentionMetadata:
-        """The step's schedule of the kernel that this step's calls of ``shape`` run on."""
+        """The step's schedule of the kernel that this step's calls of ``shape`` run on (FA3's
+        calls schedule themselves: ``flash3.py``)."""
         if prefer_fa3(shape.dtype, shape.head_dim, shape.block_size, meta.max_query_len, meta.max_seq_len,
                       shape.heads // shape.kv_heads):
             fa3 = self.fa3_here(meta.seq_lens.device)
