@@ -355,3 +355,41 @@ def test_triton_runs_every_layer_of_a_step_on_the_steps_plan():
                            block_size=16, dtype=torch.bfloat16, device="cuda", seed=4)
     meta = _layers_on_prepared("triton", case, CallShape(64, 8, 128, 16, torch.bfloat16))
     assert meta.prepared is not None and meta.prepared.backend == "triton"
+
+
+@pytest.mark.skipif(not _usable_on_cuda("triton"), reason="a GPU with Triton is optional; CI has none")
+@pytest.mark.parametrize("seq_lens,heads,head_dim", [
+    ([40000, 300, 20000, 1200] * 16, (8, 1), 128),  # mixed lengths, 1 to 16 slices a request
+    ([4096] * 128, (8, 1), 128),  # equal lengths, B = 128
+    ([9000, 17, 30000, 4096] * 4, (64, 8), 128),  # GQA, 8 KV heads (16 requests: few enough programs to split)
+    ([6000, 33000, 800] * 24, (12, 1), 192),  # Nemotron's head dim (two column tiles)
+])
+def test_triton_merges_in_the_kernel_under_graph_replays(seq_lens, heads, head_dim):
+    """On a GPU, the balanced launch whose last program per request and KV head merges the
+    slices (the default) gives the separate merge kernel's output and the reference's, across
+    50 replays of a CUDA graph of eight layers on one step's plan (the counters every program
+    raises are zero again after each call)."""
+    from tknp_megatron.attention import CallShape
+    from tknp_megatron.attention.triton_paged import FUSED_MERGE_MAX_SLICES
+
+    case = make_paged_case([1] * len(seq_lens), seq_lens, num_heads=heads[0], num_kv_heads=heads[1],
+                           head_dim=head_dim, block_size=16, dtype=torch.bfloat16, device="cuda", seed=6)
+    fused, separate = get_backend("triton", "cuda"), get_backend("triton", "cuda", fused_merge=False)
+    meta = fused.prepare(case.meta, CallShape(heads[0], heads[1], head_dim, 16, torch.bfloat16))
+    assert meta.prepared is not None
+    how = fused._decode_launch(case.meta, heads[0], heads[1], head_dim, case.q.device, balanced=True)
+    assert 1 < how.num_splits <= FUSED_MERGE_MAX_SLICES  # the kernel merges (not the merge kernel)
+    qs = [case.q * (1 + 0.125 * layer) for layer in range(8)]
+    apart = [separate(q, case.k_cache, case.v_cache, meta, case.scale) for q in qs]
+    fused(qs[0], case.k_cache, case.v_cache, meta, case.scale)  # compiled before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [fused(q, case.k_cache, case.v_cache, meta, case.scale) for q in qs]
+    for _ in range(50):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert not meta.prepared.tensors[2].any()
+    for q, out, sep in zip(qs, outs, apart):
+        torch.testing.assert_close(out.float(), sep.float(), atol=1e-2, rtol=0)  # one bf16 rounding apart
+        ref = get_backend("torch", "cuda")(q, case.k_cache, case.v_cache, case.meta, case.scale)
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)

@@ -164,7 +164,9 @@ def test_split_plan_against_a_python_reference(seed):
     lens = torch.randint(1, 5000, (num_req,), generator=gen, dtype=torch.int32)
     budget, block_n = int(torch.randint(1, 5, (1,), generator=gen)), 16
     grid = 2 * budget  # the most slices a request may take (decode_launch's grid at balance 2)
-    tiles, work = load_kernels().launch_split_plan(lens, budget, grid, block_n)
+    kv_heads = int(torch.randint(1, 200, (1,), generator=gen))
+    tiles, work, counters = load_kernels().launch_split_plan(lens, budget, grid, block_n, kv_heads)
+    assert counters.shape == (num_req * kv_heads,) and not counters.any()  # the merge counters, zeroed
     per = -(-int(lens.sum()) // (num_req * budget))
     split_len = max(-(-max(per, -(-int(lens.max()) // grid)) // block_n), 1) * block_n
     expected = [r * grid + k for r, n in enumerate(lens.tolist()) for k in range(-(-n // split_len))]
@@ -172,6 +174,76 @@ def test_split_plan_against_a_python_reference(seed):
     assert work.shape == (num_req * (budget + 1),) and len(expected) <= work.shape[0]
     assert work.tolist() == expected + [-1] * (work.shape[0] - len(expected))
     assert work.shape[0] - len(expected) <= num_req
+
+
+@pytest.mark.parametrize("hq,hkv,d,lens", [
+    (4, 2, 16, [300, 20, 150, 1, 64]),  # mixed lengths: 1 to 10 slices a request
+    (6, 2, 24, [97, 33, 250]),  # head dim 24 (two column tiles), group of 3
+    (2, 2, 16, [200, 9, 12]),  # MHA; the short requests in one slice: that program merges its own
+])
+def test_the_last_slice_to_finish_merges_its_request(hq, hkv, d, lens, monkeypatch):
+    """A balanced launch merging in the attention kernel (the default) gives the separate
+    merge kernel's output and the reference's, and launches no merge kernel; the plan's
+    counters are zero after every call, so three calls on one step's plan give the same output."""
+    from tknp_megatron.attention import CallShape
+    from tknp_megatron.attention.triton_paged import load_kernels
+
+    kernels = load_kernels()
+    real, merges = kernels.launch_combine_splits, []
+    monkeypatch.setattr(kernels, "launch_combine_splits", lambda *a: merges.append(1) or real(*a))
+    options = dict(balance=4, min_split_tokens=16, block_n=16, max_splits=4)  # at most 16 slices a request
+    fused, separate = get_backend("triton", "cpu", **options), get_backend("triton", "cpu", fused_merge=False, **options)
+    case = make_paged_case([1] * len(lens), lens, num_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=8, seed=9)
+    meta = fused.prepare(case.meta, CallShape(hq, hkv, d, 8, torch.float32))
+    counters = meta.prepared.tensors[2]
+    assert counters.shape == (len(lens) * hkv,)
+    apart = separate(case.q, case.k_cache, case.v_cache, meta, case.scale)
+    assert merges == [1]
+    outs = []
+    for _ in range(3):
+        outs.append(fused(case.q, case.k_cache, case.v_cache, meta, case.scale))
+        assert not counters.any()
+    assert merges == [1]  # the fused calls launched no merge kernel
+    torch.testing.assert_close(outs[0], apart, atol=1e-6, rtol=1e-6)
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], atol=0, rtol=0)
+    torch.testing.assert_close(outs[0], get_backend("torch")(*case.args()), **_tol(torch.float32))
+    torch.testing.assert_close(fused(*case.args()), outs[0], atol=0, rtol=0)  # planning itself
+
+
+def test_requests_of_many_slices_keep_the_merge_kernel(monkeypatch):
+    """Past ``FUSED_MERGE_MAX_SLICES`` slices a request, the merge kernel runs (one program
+    reading them all at the launch's end is the slower tail); same output as the reference."""
+    from tknp_megatron.attention.triton_paged import FUSED_MERGE_MAX_SLICES, load_kernels
+
+    kernels = load_kernels()
+    real, merges = kernels.launch_combine_splits, []
+    monkeypatch.setattr(kernels, "launch_combine_splits", lambda *a: merges.append(1) or real(*a))
+    backend = get_backend("triton", "cpu", balance=4, min_split_tokens=16, block_n=16, max_splits=8)
+    case = make_paged_case([1, 1], [600, 530], num_heads=2, num_kv_heads=1, head_dim=16, block_size=8, seed=2)
+    how = backend._decode_launch(case.meta, 2, 1, 16, torch.device("cpu"), balanced=True)
+    assert how.budget_splits and how.num_splits > FUSED_MERGE_MAX_SLICES
+    torch.testing.assert_close(backend(*case.args()), get_backend("torch")(*case.args()), **_tol(torch.float32))
+    assert merges == [1]
+
+
+def test_the_merge_counters_belong_to_their_plan():
+    """A launch merging in the kernel refuses a plan whose counters cover another head count,
+    and a merge target without a plan, in one line each."""
+    from tknp_megatron.attention.triton_paged import load_kernels
+
+    kernels = load_kernels()
+    case = make_paged_case([1, 1], [40, 70], num_heads=4, num_kv_heads=2, head_dim=16, block_size=8, seed=1)
+    plan = kernels.launch_split_plan(case.meta.seq_lens, 2, 4, 16, 1)  # counters for one KV head
+    part = torch.empty(2, 4, 4, 16)
+    lse = torch.empty(2, 4, 4)
+    launch = dict(num_tiles=2, num_splits=4, block_q=1, group_pad=16, block_n=16, num_warps=4, num_stages=2)
+    with pytest.raises(ValueError, match="counters cover 2 .* 2 x 2"):
+        kernels.launch_paged_attention(case.q, case.k_cache, case.v_cache, part, lse, case.meta, case.scale,
+                                       plan=plan, merged=torch.empty_like(case.q), **launch)
+    with pytest.raises(ValueError, match="needs a balanced launch's plan"):
+        kernels.launch_paged_attention(case.q, case.k_cache, case.v_cache, part, lse, case.meta, case.scale,
+                                       merged=torch.empty_like(case.q), **launch)
 
 
 def test_a_step_plans_its_balanced_splits_once_for_every_layer(monkeypatch):
@@ -356,7 +428,7 @@ def test_bench_per_model_shapes_and_launch_choice(tmp_path):
         [sys.executable, "-m", "tknp_megatron.tools.bench_attention", "--dry-run", "--models", "nemotron4-340b",
          "--tp", "8", "--configs", "auto", "16:4:2:2", "16:4:2@4", "--spread", "0.5", "--min-split-tokens", "16",
          "--num-splits", "0", "--balance-min-work", "0",  # tiny shapes: balanced as a big one would be
-         "--prepared", "--out", str(out)],
+         "--prepared", "--separate-merge", "--out", str(out)],
         capture_output=True, text=True, timeout=120, cwd=REPO,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -369,6 +441,7 @@ def test_bench_per_model_shapes_and_launch_choice(tmp_path):
         assert not fixed["auto"] and (fixed["block_n"], fixed["waves"]) == (16, 2)
         assert balanced["balance"] == 4 and 0 < balanced["budget_splits"] <= balanced["num_splits"]
         assert r["triton_prepared"] and r["triton_prepared_us"] > 0  # timed on the step's plan too
+        assert r["triton_separate_merge_us"] > 0 and r["separate_merge_rel_err"] < 1e-5  # the merge kernel apart
         assert all(c["rel_err"] < 1e-2 for c in r["configs"])
         assert r["launch"] == f"128:4:2 s{auto['num_splits']}/{auto['budget_splits']}"
         assert r["mean_ctx"] == 0.75 * r["ctx"] and "sdpa_us" not in r  # 2 requests: ctx and ctx / 2

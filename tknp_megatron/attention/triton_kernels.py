@@ -24,6 +24,13 @@ program of the attention grid ``(R * budget + R, Hkv)`` (-1 past the last slice:
 ``R`` of them); the merge reads only the slices its row has. With mixed lengths the
 longest request's programs then take about as long as the others' instead of holding up
 the wave, and no program of a fixed per-request grid sits idle.
+
+A balanced launch can also merge its slices itself (``MERGE``): each program, once its
+partial is written, raises its (request, KV head)'s counter in the plan; the program that
+raises it to the request's slice count merges that request's head group and sets the
+counter back to zero, so no merge kernel follows (its launch, and the gap before it, sat
+on every layer's critical path) and the counters are zero again for the next layer's call
+on the same plan. The plan kernel zeroes them at the start of the step.
 """
 
 from __future__ import annotations
@@ -53,14 +60,19 @@ fp32 per program) spilled registers past 128 splits on an H200 and made long con
 small batches slower with more splits, not faster (``benchmarks/RESULTS.md``)."""
 
 
+MERGE_UNROLL = 4
+"""Slices the merge in the attention kernel loads per iteration, each ``[group rows, d]``
+fp32: their loads are in flight together, in registers the attention loop has freed."""
+
+
 # Triton specializes integer arguments on their value (== 1, divisible by 16) and compiles a
 # kernel for each combination it meets. The request count and the split count (and the
 # partials' strides, which follow the split count) change from one eager (prefill) step to
 # the next, and a compile holds up its step, so they are plain runtime values: one compile
 # serves them all.
-@triton.jit(do_not_specialize=["num_requests", "budget_splits", "num_splits", "num_work"])
-def _split_plan_kernel(seq_lens_ptr, split_tiles_ptr, work_ptr, num_requests, budget_splits, num_splits, num_work,
-                       BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr):
+@triton.jit(do_not_specialize=["num_requests", "budget_splits", "num_splits", "num_work", "num_kv_heads"])
+def _split_plan_kernel(seq_lens_ptr, split_tiles_ptr, work_ptr, counters_ptr, num_requests, budget_splits, num_splits,
+                       num_work, num_kv_heads, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr):
     """The plan of a balanced decode launch, one program per request ``r``.
 
     Slice length (``split_tiles_ptr[0]``, in ``BLOCK_N`` tiles): the step's tokens over
@@ -69,7 +81,8 @@ def _split_plan_kernel(seq_lens_ptr, split_tiles_ptr, work_ptr, num_requests, bu
     (``work_ptr[num_work]``): request ``r``'s slices ``k`` as ``r * num_splits + k`` at the
     place of ``r`` in the running count of slices; the last request fills the rest with -1.
     Every program computes the sums itself (``R`` is at most a few hundred), so the plan
-    is one launch.
+    is one launch. It also zeroes request ``r``'s ``num_kv_heads`` merge counters
+    (``counters_ptr``, see ``_paged_attn_kernel``'s ``MERGE``).
     """
     me = tl.program_id(0)
     total = tl.zeros([], tl.int64)
@@ -90,6 +103,9 @@ def _split_plan_kernel(seq_lens_ptr, split_tiles_ptr, work_ptr, num_requests, bu
     mine = tl.cdiv(tl.load(seq_lens_ptr + me), split_len)
     k = tl.arange(0, MAX_SPLITS)
     tl.store(work_ptr + before + k, me * num_splits + k, mask=k < mine)
+    for h0 in range(0, num_kv_heads, 128):
+        h = h0 + tl.arange(0, 128)
+        tl.store(counters_ptr + me * num_kv_heads + h, tl.zeros([128], tl.int32), mask=h < num_kv_heads)
     if me == 0:
         tl.store(split_tiles_ptr, tiles)
     if me == num_requests - 1:
@@ -102,6 +118,7 @@ def _split_plan_kernel(seq_lens_ptr, split_tiles_ptr, work_ptr, num_requests, bu
 def _paged_attn_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
     qsl_ptr, seq_lens_ptr, bt_ptr, tile_req_ptr, tile_first_ptr, split_tiles_ptr, work_ptr,
+    counters_ptr, merged_ptr, stride_mt, stride_mh,
     scale_log2, num_splits, num_requests,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
@@ -111,8 +128,8 @@ def _paged_attn_kernel(
     stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, D_LO: tl.constexpr, D_HI: tl.constexpr, BLOCK_N: tl.constexpr,
-    VARLEN: tl.constexpr, SPLIT: tl.constexpr, BALANCED: tl.constexpr, UPCAST: tl.constexpr,
-    IEEE: tl.constexpr,
+    VARLEN: tl.constexpr, SPLIT: tl.constexpr, BALANCED: tl.constexpr, MERGE: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, MERGE_S: tl.constexpr, MERGE_UNROLL: tl.constexpr,
 ):
     kvh = tl.program_id(1)
     if BALANCED:  # decode: this program's (request, slice) from the plan's work list
@@ -235,6 +252,68 @@ def _paged_attn_kernel(
         tl.store(o_row + dh[None, :], (acc_hi / norm).to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & dh_ok[None, :])
 
+    if MERGE:  # balanced decode: the last of the request's slices to finish merges them
+        # every thread's stores above are done before the count is raised (the atomic's
+        # release, at GPU scope, makes them visible to the program that merges)
+        tl.debug_barrier()
+        counter = counters_ptr + req_c * tl.num_programs(1) + kvh
+        count = tl.cdiv(seq_len, split_len)  # the request's slices, as the plan counted them
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == count - 1:
+            _merge_slices(out_ptr, lse_ptr, merged_ptr, rows, head, row_ok, count,
+                          stride_os, stride_lt, stride_lh, stride_ot, stride_oh, stride_mt, stride_mh,
+                          BLOCK_Q * GROUP_PAD, HEAD_DIM, D_LO, D_HI, MERGE_S, MERGE_UNROLL)
+            tl.store(counter, 0)  # ready for the next call on this plan (every slice has counted)
+
+
+@triton.jit
+def _merge_slices(part_ptr, lse_ptr, merged_ptr, rows, head, row_ok, count,
+                  stride_ps, stride_lt, stride_lh, stride_pt, stride_ph, stride_mt, stride_mh,
+                  ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D_LO: tl.constexpr, D_HI: tl.constexpr, MERGE_S: tl.constexpr,
+                  MERGE_UNROLL: tl.constexpr):
+    """The matrix rows' ``count`` slices (fp32 partials ``[rows, Hq, S, d]`` and their
+    log2-sum-exp ``[rows, Hq, S]``), weighted by ``exp2(lse - max lse)``, into ``merged``
+    ``[rows, Hq, d]``: as ``_combine_splits_kernel`` does, for one request's head group.
+    The loads bypass L1 (``.cg``): other programs wrote the partials."""
+    lse_row = lse_ptr + rows * stride_lt + head * stride_lh
+    s = tl.arange(0, MERGE_S)
+    top = tl.full([ROWS], float("-inf"), tl.float32)
+    for s0 in range(0, count, MERGE_S):
+        lse = tl.load(lse_row[:, None] + s0 + s[None, :], mask=row_ok[:, None] & (s0 + s < count)[None, :],
+                      other=float("-inf"), cache_modifier=".cg")
+        top = tl.maximum(top, tl.max(lse, 1))
+    top = tl.where(top == float("-inf"), 0.0, top)
+    part_row = part_ptr + rows[:, None] * stride_pt + head[:, None] * stride_ph
+    d = tl.arange(0, D_LO)
+    d_ok = d < HEAD_DIM
+    acc = tl.zeros([ROWS, D_LO], tl.float32)
+    if D_HI > 0:
+        dh = D_LO + tl.arange(0, D_HI)
+        dh_ok = dh < HEAD_DIM
+        acc_hi = tl.zeros([ROWS, D_HI], tl.float32)
+    total = tl.zeros([ROWS], tl.float32)
+    # MERGE_UNROLL slices per iteration, so that their loads are in flight together: one
+    # slice at a time, a request of 16-32 slices waited out 16-32 L2 round trips in turn
+    # at the end of the launch (benchmarks/RESULTS.md, "The last slice merges")
+    for k0 in range(0, count, MERGE_UNROLL):
+        for j in tl.static_range(MERGE_UNROLL):
+            k = k0 + j
+            ok = row_ok & (tl.full([ROWS], 0, tl.int32) + k < count)
+            w = tl.exp2(tl.load(lse_row + k, mask=ok, other=float("-inf"), cache_modifier=".cg") - top)
+            part = tl.load(part_row + k * stride_ps + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0,
+                           cache_modifier=".cg")
+            acc += part * w[:, None]
+            if D_HI > 0:
+                part_hi = tl.load(part_row + k * stride_ps + dh[None, :], mask=ok[:, None] & dh_ok[None, :],
+                                  other=0.0, cache_modifier=".cg")
+                acc_hi += part_hi * w[:, None]
+            total += w
+    norm = tl.maximum(total, 1e-30)[:, None]
+    m_row = merged_ptr + rows[:, None] * stride_mt + head[:, None] * stride_mh
+    tl.store(m_row + d[None, :], (acc / norm).to(merged_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if D_HI > 0:
+        tl.store(m_row + dh[None, :], (acc_hi / norm).to(merged_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & dh_ok[None, :])
+
 
 @triton.jit(do_not_specialize=["num_splits", "stride_pt", "stride_ph", "stride_ps", "stride_lt", "stride_lh"])
 def _combine_splits_kernel(
@@ -279,7 +358,7 @@ def _combine_splits_kernel(
 
 def launch_paged_attention(
     q, k_cache, v_cache, out, lse, meta, scale, *, num_tiles, num_splits, block_q, group_pad,
-    block_n, num_warps, num_stages, tile_req=None, tile_first=None, upcast=False, plan=None,
+    block_n, num_warps, num_stages, tile_req=None, tile_first=None, upcast=False, plan=None, merged=None,
 ):
     """Launch the partial (``lse`` given, ``out`` ``[rows, Hq, S, d]`` fp32) or direct kernel.
 
@@ -290,15 +369,23 @@ def launch_paged_attention(
         num_tiles: grid size over query tiles (host int; ``R`` for decode).
         tile_req, tile_first: ``[num_tiles]`` request of each tile and ``[R]`` first tile
             of each request, for varlen launches (``None`` for decode).
-        plan: ``(split_tiles, work)`` from :func:`launch_split_plan` for balanced splits
-            (decode with ``lse`` only; ``num_splits`` is then the most any request gets),
-            or ``None``.
+        plan: ``(split_tiles, work, counters)`` from :func:`launch_split_plan` for balanced
+            splits (decode with ``lse`` only; ``num_splits`` is then the most any request
+            gets), or ``None``.
+        merged: ``[rows, Hq, d]``, balanced launches only: the last program of each request
+            and KV head to finish merges the request's slices into it (the plan's counters
+            count them), so no merge kernel follows; ``None``: ``out`` keeps the partials.
     """
     head_dim, num_kv_heads = q.shape[2], k_cache.shape[2]
     split = lse is not None
     balanced = plan is not None
     if balanced and (not split or tile_req is not None):
         raise ValueError("balanced splits are for decode launches with partial outputs (lse given)")
+    if merged is not None and not balanced:
+        raise ValueError("merging in the attention kernel needs a balanced launch's plan (its counters)")
+    if balanced and plan[2].shape[0] != meta.num_requests * num_kv_heads:
+        raise ValueError(f"the plan's counters cover {plan[2].shape[0]} (request, KV head) pairs, "
+                         f"the launch {meta.num_requests} x {num_kv_heads}")
     dummy = meta.seq_lens  # unused pointer arguments
     d_lo, d_hi = head_dim_tiles(head_dim)
     grid = (plan[1].shape[0], num_kv_heads, 1) if balanced else (num_tiles, num_kv_heads, num_splits)
@@ -307,6 +394,8 @@ def launch_paged_attention(
         meta.query_start_loc, meta.seq_lens, meta.block_table,
         tile_req if tile_req is not None else dummy, tile_first if tile_first is not None else dummy,
         plan[0] if balanced else dummy, plan[1] if balanced else dummy,
+        plan[2] if balanced else dummy, merged if merged is not None else dummy,
+        merged.stride(0) if merged is not None else 0, merged.stride(1) if merged is not None else 0,
         scale * 1.4426950408889634, num_splits, meta.num_requests,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -316,23 +405,27 @@ def launch_paged_attention(
         meta.block_table.stride(0),
         GROUP=q.shape[1] // num_kv_heads, GROUP_PAD=group_pad, BLOCK_Q=block_q,
         PAGE=k_cache.shape[1], HEAD_DIM=head_dim, D_LO=d_lo, D_HI=d_hi,
-        BLOCK_N=block_n, VARLEN=tile_req is not None, SPLIT=split, BALANCED=balanced, UPCAST=upcast,
-        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=block_n, VARLEN=tile_req is not None, SPLIT=split, BALANCED=balanced, MERGE=merged is not None,
+        UPCAST=upcast, IEEE=q.dtype == torch.float32, MERGE_S=COMBINE_BLOCK_S, MERGE_UNROLL=MERGE_UNROLL,
+        num_warps=num_warps, num_stages=num_stages,
     )
 
 
-def launch_split_plan(seq_lens, budget_splits, num_splits, block_n):
-    """``(split_tiles [1], work [R * budget_splits + R])`` int32: the plan of a balanced
-    decode launch over ``[R] seq_lens`` (about ``budget_splits`` slices per request, at
-    most ``num_splits``, slices of ``split_tiles * block_n`` tokens)."""
+def launch_split_plan(seq_lens, budget_splits, num_splits, block_n, kv_heads=1):
+    """``(split_tiles [1], work [R * budget_splits + R], counters [R * kv_heads])`` int32:
+    the plan of a balanced decode launch over ``[R] seq_lens`` (about ``budget_splits``
+    slices per request, at most ``num_splits``, slices of ``split_tiles * block_n``
+    tokens) and the zeroed merge counters of the launches over ``kv_heads`` KV heads that
+    merge in the attention kernel (each such launch leaves them zero again)."""
     num_requests = seq_lens.shape[0]
     split_tiles = torch.empty(1, dtype=torch.int32, device=seq_lens.device)
     work = torch.empty(num_requests * (budget_splits + 1), dtype=torch.int32, device=seq_lens.device)
+    counters = torch.empty(num_requests * kv_heads, dtype=torch.int32, device=seq_lens.device)
     _split_plan_kernel[(num_requests,)](
-        seq_lens, split_tiles, work, num_requests, budget_splits, num_splits, work.shape[0],
+        seq_lens, split_tiles, work, counters, num_requests, budget_splits, num_splits, work.shape[0], kv_heads,
         BLOCK_N=block_n, MAX_SPLITS=max(16, triton.next_power_of_2(num_splits)),
     )
-    return split_tiles, work
+    return split_tiles, work, counters
 
 
 def launch_combine_splits(part, lse, out, num_splits, seq_lens=None, split_tiles=None, block_n=16):

@@ -5,8 +5,9 @@ Decode (``max_query_len <= 1``) launches ``_paged_attn_kernel`` over
 kv head, for all query heads of that group, so K/V is read once per group. The number
 of splits fills the GPU with one resident wave: at most ``waves * num_SMs`` programs in
 total, at least ``min_split_tokens`` context tokens per split, at most ``max_splits``.
-With more than one split a second small kernel merges the fp32 partials by their
-log-sum-exp. The tile and pipeline depth are chosen per shape (:func:`decode_launch`,
+With more than one split the fp32 partials are merged by their log-sum-exp: by the last
+program of each request's slices where the launch is balanced (below), else by a second
+small kernel. The tile and pipeline depth are chosen per shape (:func:`decode_launch`,
 from the sweeps in ``docs/ARCHITECTURE.md``). With ``TritonConfig.balance > 1`` (the
 default: 2) the slices are cut by tokens, the same length for every request, so a long
 request gets more slices than a short one; a small kernel plans them on the device from
@@ -86,6 +87,10 @@ class TritonConfig:
         prefill: ``"triton"`` (varlen kernel) or ``"sdpa"`` for ``max_query_len > 1``.
         prefill_rows: matrix rows of a varlen (prompt) tile, query positions times the
             head group (power of two >= 16); ``None``: per head dim (:func:`prefill_tile`).
+        fused_merge: balanced decode launches of at most ``FUSED_MERGE_MAX_SLICES`` slices a
+            request merge them in the attention kernel (the last program of each request and
+            KV head to finish), instead of in a merge kernel launched after it
+            (``docs/ARCHITECTURE.md``, "Paged decode attention").
     """
 
     block_n: Optional[int] = None
@@ -99,6 +104,7 @@ class TritonConfig:
     balance_min_work: Optional[int] = None
     prefill: str = "triton"
     prefill_rows: Optional[int] = None
+    fused_merge: bool = True
 
     def __post_init__(self) -> None:
         if self.block_n is not None and (self.block_n < 16 or self.block_n & (self.block_n - 1)):
@@ -158,6 +164,15 @@ class DecodeLaunch:
     def partials(self) -> bool:
         """Whether the launch writes fp32 partials that a merge combines."""
         return self.num_splits > 1 or self.budget_splits > 0
+
+
+FUSED_MERGE_MAX_SLICES = 16
+"""The most slices a request of a balanced launch may take for the attention kernel to merge
+them itself (``TritonConfig.fused_merge``). One program then reads all of its request's
+slices at the end of the launch: at 32 (B = 32 x 32K, one KV head) that tail took longer than
+the merge kernel, which spreads the same reads over every (row, head) (on an H100, head dim
+192: 301 against 295 us a call; at 16 slices or fewer the kernel's own merge was 0-2 % faster,
+``benchmarks/RESULTS.md``, "The last slice merges")."""
 
 
 BALANCE_MIN_WORK = 1 << 19  # KV head-tokens (programs x longest context): TritonConfig.balance_min_work
@@ -367,12 +382,13 @@ class TritonPagedBackend(AttentionBackend):
         if not launch.budget_splits:
             return meta
         plan = load_kernels().launch_split_plan(meta.seq_lens, launch.budget_splits, launch.num_splits,
-                                                launch.block_n)
-        return self.with_prepared(meta, PreparedLaunch(self.name, self._plan_key(meta, launch), plan))
+                                                launch.block_n, shape.kv_heads)
+        return self.with_prepared(meta, PreparedLaunch(self.name, self._plan_key(meta, launch, shape.kv_heads), plan))
 
     @staticmethod
-    def _plan_key(meta, launch: DecodeLaunch):
-        return (meta.num_requests, launch.budget_splits, launch.num_splits, launch.block_n)
+    def _plan_key(meta, launch: DecodeLaunch, kv_heads: int):
+        """The host ints a plan is made for (the merge counters are per KV head)."""
+        return (meta.num_requests, launch.budget_splits, launch.num_splits, launch.block_n, kv_heads)
 
     def varlen(self, q, k_cache, v_cache, meta, scale) -> torch.Tensor:
         """Any query lengths: tiles of ``BLOCK_Q`` rows x the head group (:func:`prefill_tile`)."""
@@ -391,10 +407,11 @@ class TritonPagedBackend(AttentionBackend):
         kernels = load_kernels()
         splits = how.num_splits
         plan = None
+        kv_heads = k_cache.shape[2]
         if how.budget_splits:  # the step's (prepare), else this call's: a plan kept across steps would go stale
-            plan = meta.prepared_for(self.name, self._plan_key(meta, how))
+            plan = meta.prepared_for(self.name, self._plan_key(meta, how, kv_heads))
             if plan is None:
-                plan = kernels.launch_split_plan(meta.seq_lens, how.budget_splits, splits, how.block_n)
+                plan = kernels.launch_split_plan(meta.seq_lens, how.budget_splits, splits, how.block_n, kv_heads)
         out = torch.empty_like(q)
         launch = functools.partial(
             kernels.launch_paged_attention, q, k_cache, v_cache, meta=meta, scale=scale,
@@ -409,6 +426,10 @@ class TritonPagedBackend(AttentionBackend):
         rows, num_heads, head_dim = q.shape
         part = torch.empty((rows, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
         lse = torch.empty((rows, num_heads, splits), dtype=torch.float32, device=q.device)
+        if plan is not None and self.config.fused_merge and splits <= FUSED_MERGE_MAX_SLICES:
+            # the last slice of each request and KV head merges the request's slices
+            launch(out=part, lse=lse, merged=out)
+            return out
         launch(out=part, lse=lse)
         split_tiles = None if plan is None else plan[0]
         kernels.launch_combine_splits(part, lse, out, splits, meta.seq_lens, split_tiles, how.block_n)

@@ -102,6 +102,11 @@ def parse_args(argv=None):
                    help="also time the reported Triton config and each library on the step's prepared schedule "
                         "(AttentionBackend.prepare, made once outside the timed call as an engine step makes it "
                         "once for all its layers): columns *_prepared_us")
+    p.add_argument("--separate-merge", action="store_true",
+                   help="also time the reported Triton config with its balanced splits merged by a kernel of their "
+                        "own after the attention kernel (TritonConfig.fused_merge=False; on the step's prepared plan "
+                        "with --prepared): column triton_separate_merge_us, beside triton_graph_us / "
+                        "triton_prepared_us of the kernel merging them itself")
     p.add_argument("--out", default=None)
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
     args = p.parse_args(argv)
@@ -371,7 +376,25 @@ def check_triton(env, args, case, qs, row, jobs):
             jobs.add(timing, "graph_us", graph_replay(env, call, qs))
         if i == 0 and args.prepared:
             add_prepared(env, backend, case, qs, row, "triton", jobs, graphs)
+        if i == 0 and args.separate_merge:
+            add_separate_merge(env, backend, case, qs, row, jobs, graphs, args.prepared)
     return out, (ref, rows)
+
+
+def add_separate_merge(env, backend, case, qs, row, jobs, graphs, prepared):
+    """The reported config with the merge as a kernel of its own (``fused_merge=False``),
+    on the step's prepared plan where ``prepared``, as ``row["triton_separate_merge_us"]``;
+    ``row["separate_merge_rel_err"]`` its output against the fused merge's."""
+    separate = env["attn"].get_backend("triton", env["device"],
+                                       **{**vars(backend.config), "fused_merge": False})
+    meta = case.meta
+    if prepared:
+        shape = env["attn"].CallShape(row["hq"], row["hkv"], row["head_dim"], row["block_size"], case.q.dtype)
+        meta = separate.prepare(case.meta, shape)
+    call = lambda q: separate(q, case.k_cache, case.v_cache, meta, case.scale)
+    row["separate_merge_rel_err"] = rel_err(call(case.q), backend(*case.args()))
+    jobs.add(row, "triton_separate_merge_us", graph_replay(env, call, qs) if graphs else
+             lambda i: call(qs[i % len(qs)]))
 
 
 def add_prepared(env, backend, case, qs, row, name, jobs, graphs):
@@ -623,7 +646,8 @@ def attn_gather(env, cache, block_table, ctx):
 
 
 def fmt_table(rows):
-    extra = [c for c in ("launch", "triton_graph_us", "triton_best_graph_us", "best_config", "fa3_us", "fa4_us",
+    extra = [c for c in ("launch", "triton_graph_us", "triton_prepared_us", "triton_separate_merge_us",
+                         "triton_best_graph_us", "best_config", "fa3_us", "fa4_us",
                          "auto_us", "flash_us", "triton_graph_TFLOPs", "fa3_TFLOPs", "sdpa_TFLOPs")
              if any(c in r for r in rows)]
     lines = ["  ".join(f"{c:>11}" for c in COLUMNS + extra)]
