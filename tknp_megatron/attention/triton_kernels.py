@@ -297,7 +297,7 @@ def _merge_slices(part_ptr, lse_ptr, merged_ptr, rows, head, row_ok, count,
     for k0 in range(0, count, MERGE_UNROLL):
         for j in tl.static_range(MERGE_UNROLL):
             k = k0 + j
-            ok = row_ok & (tl.full([ROWS], 0, tl.int32) + k < count)
+            ok = row_ok & (tl.full([ROWS], 0, tl.int32) + k < count)  # a vector: the interpreter refuses a scalar term
             w = tl.exp2(tl.load(lse_row + k, mask=ok, other=float("-inf"), cache_modifier=".cg") - top)
             part = tl.load(part_row + k * stride_ps + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0,
                            cache_modifier=".cg")
