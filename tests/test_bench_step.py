@@ -54,3 +54,25 @@ def test_kernels_are_told_apart_and_the_gap_is_named_part_by_part():
     gap = roofline_gap(dict(row, replay_ms=9.7), StepParts(2.5e-3, 0.0, 5.5e-3, 0.0, 0.25e-3))
     assert gap["host"]["measured_ms"] == pytest.approx(0.3) and gap["idle"]["measured_ms"] == pytest.approx(0.2)
     assert sum(v["measured_ms"] for k, v in gap.items() if k != "step") == pytest.approx(10.0)
+
+
+def test_fp8_without_a_gpu_is_refused_in_one_line():
+    from tknp_megatron.tools.bench_step import dense_format, parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--dry-run", "--fp8-recipe", "tensorwise"])
+    proc = subprocess.run([sys.executable, "-m", "tknp_megatron.tools.bench_step", "--dry-run",
+                           "--fp8-recipe", "tensorwise"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2
+    assert "--fp8-recipe tensorwise / --transformer-impl local: Transformer Engine's layers run on GPUs only" \
+        in proc.stderr.strip().splitlines()[-1]
+    # --fp8-recipe alone means TE layers; the default stays Megatron's local layers
+    assert dense_format(parse_args(["--dry-run"])).transformer_impl == "local"
+    fp8 = dense_format(argparse_ns(fp8_recipe="tensorwise", transformer_impl="local"))
+    assert (fp8.transformer_impl, fp8.fp8_recipe) == ("auto", "tensorwise")
+
+
+def argparse_ns(**kw):
+    import argparse
+
+    return argparse.Namespace(**kw)

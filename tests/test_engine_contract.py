@@ -22,7 +22,7 @@ from tknp_megatron.engine.factory import (
 )
 from tknp_megatron.executor.base import Executor
 from tknp_megatron.executor.dual_root import DualRootExecutor
-from tknp_megatron.executor.ingest import Admitter, KVIngest, KVSlice
+from tknp_megatron.executor.ingest import INGEST_CHUNK_BYTES, Admitter, KVIngest, KVSlice, position_chunks
 from tknp_megatron.executor.synthetic import synthetic_kv
 from tknp_megatron.executor.tknp import TKNPExecutor
 from tknp_megatron.plan import Admission
@@ -103,35 +103,108 @@ def test_each_mode_keeps_its_slice_of_the_synthetic_kv(trial):
         assert torch.equal(got, full[:, :, shard::degree, heads - 1 :])
 
 
-class _FakeCache:
+class _RecordingCache:
+    """Records what the admitter hands a cache: assigned slots, and each slot's ingested
+    pieces as ``(start, kv)``."""
+
     spec = types.SimpleNamespace(dtype=torch.float32)
 
     def __init__(self):
-        self.assigned, self.ingested = [], {}
+        self.assigned, self.pieces = [], {}
 
     def assign(self, slot, blocks):
         self.assigned.append(slot)
 
-    def ingest(self, slot, kv):
-        self.ingested[slot] = kv
+    def ingest(self, slot, kv, start=0):
+        self.pieces.setdefault(slot, []).append((start, kv))
+
+    def ingested(self, slot):
+        """The slot's pieces joined, after checking that they follow each other from 0."""
+        starts = [start for start, _ in self.pieces[slot]]
+        ends = [start + kv.shape[2] for start, kv in self.pieces[slot]]
+        assert starts == [0, *ends[:-1]]
+        return torch.cat([kv for _, kv in self.pieces[slot]], dim=2)
 
 
-def test_admitter_owner_filter_and_coordinator_ingest():
+TWO_POSITIONS = 3 * 2 * 2 * 4 * 4 * 2  # 3 layers x K/V x 2 heads x 4 dims x fp32, twice
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, TWO_POSITIONS, 1])
+def test_admitter_owner_filter_and_coordinator_ingest(chunk_bytes):
     groups = types.SimpleNamespace(tp_size=1, coordinator_rank=0, global_rank=lambda node, t: node)
-    ingest = KVIngest(groups, 2, torch.float32, torch.device("cpu"))
+    chunks = {} if chunk_bytes is None else dict(chunk_bytes=chunk_bytes)
+    ingest = KVIngest(groups, 2, torch.float32, torch.device("cpu"), **chunks)
     kv_slice = KVSlice(range(3), range(2), 2, 4)
     outside = torch.randn(3, 2, 5, 2, 4)
     admissions = [Admission(0, 0, 0, (0,), ingest_len=5), Admission(1, 1, 0, (1,)),
                   Admission(2, 0, 1, (2,), ingest_len=4, synthetic_seed=3)]
     ingest.send(admissions[0], outside)  # node 0 is the coordinator: kept, not sent
-    cache = _FakeCache()
-    Admitter(cache, kv_slice, torch.device("cpu"), owner=0, ingest=ingest).apply(admissions)
+    cache = _RecordingCache()
+    Admitter(cache, kv_slice, torch.device("cpu"), owner=0, ingest=ingest, **chunks).apply(admissions)
     assert cache.assigned == [0, 1]
-    assert torch.equal(cache.ingested[0], outside)
-    assert torch.equal(cache.ingested[1], kv_slice.synthetic(3, 4, torch.float32, torch.device("cpu")))
-    every = _FakeCache()
+    assert torch.equal(cache.ingested(0), outside)
+    assert torch.equal(cache.ingested(1), kv_slice.synthetic(3, 4, torch.float32, torch.device("cpu")))
+    # pieces of at most chunk_bytes (2 positions of 3 layers x K/V x 2 heads x 4 dims fp32; 1 position at 1 byte)
+    assert [len(cache.pieces[s]) for s in (0, 1)] == {None: [1, 1], TWO_POSITIONS: [3, 2], 1: [5, 4]}[chunk_bytes]
+    every = _RecordingCache()
     Admitter(every, kv_slice, torch.device("cpu")).apply(admissions[1:2])
     assert every.assigned == [0]
+
+
+def test_position_chunks_cover_the_prompt_within_the_bound():
+    shape = (80, 2, 65536, 8, 128)  # 64K tokens of Llama-3.1-70B's 80 layers: 20 GiB in BF16
+    chunks = position_chunks(shape, 2)
+    assert chunks[0][0] == 0 and chunks[-1][1] == 65536
+    assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
+    assert max(hi - lo for lo, hi in chunks) * 80 * 2 * 8 * 128 * 2 <= INGEST_CHUNK_BYTES
+    assert position_chunks((1, 2, 3, 1, 4), 4, 1) == [(0, 1), (1, 2), (2, 3)]  # at least one position
+    assert position_chunks((1, 2, 0, 1, 4), 4) == []
+
+
+def test_dcp_shards_synthetic_kv_in_pieces():
+    kv_slice = KVSlice(range(2), (1,), 2, 4, shard=1, num_shards=3)
+    cpu = torch.device("cpu")
+    whole = kv_slice.synthetic(5, 23, torch.float32, cpu)
+    cache = _RecordingCache()
+    Admitter(cache, kv_slice, cpu, chunk_bytes=2 * 2 * 1 * 4 * 4 * 3).apply([Admission(0, 0, 0, (0,), ingest_len=23,
+                                                                                        synthetic_seed=5)])
+    assert len(cache.pieces[0]) == 3 and torch.equal(cache.ingested(0), whole)
+
+
+def ingest_worker(rank: int, world: int, chunk_bytes: int) -> dict:
+    """Rank 0 (the coordinator) sends rank 1 (node 1's owner) a prompt's outside KV; rank 1
+    writes it into a real paged cache, pieces of at most ``chunk_bytes``. Returns rank 1's
+    cache buffer."""
+    import parallel_state as ps
+    from tknp_megatron.kv_cache import KVCacheSpec, PagedKVCache
+
+    groups = ps.initialize_model_parallel(tensor_model_parallel_size=1, token_parallel_size=2)
+    cpu = torch.device("cpu")
+    spec = KVCacheSpec(num_layers=3, num_blocks=8, block_size=4, local_kv_heads=2, head_dim=4,
+                       dtype=torch.float32, max_slots=2, max_blocks_per_seq=4)
+    ingest = KVIngest(groups, 2, torch.float32, cpu, chunk_bytes=chunk_bytes)
+    adm = Admission(7, 1, 1, (5, 2, 6), ingest_len=11)
+    out = {}
+    if rank == 0:
+        ingest.send(adm, torch.arange(3 * 2 * 11 * 2 * 4, dtype=torch.float32).view(3, 2, 11, 2, 4))
+    else:
+        cache = PagedKVCache(spec, cpu)
+        Admitter(cache, KVSlice(range(3), range(2), 2, 4), cpu, owner=1, ingest=ingest,
+                 chunk_bytes=chunk_bytes).apply([adm])
+        out["buffer"] = cache.buffer.clone()
+    ps.destroy_model_parallel()
+    return out
+
+
+def test_outside_kv_travels_to_its_owner_in_pieces():
+    from tknp_megatron.launch import spawn
+
+    whole = spawn(ingest_worker, 2, (1 << 20,), timeout_s=120)[1]["buffer"]
+    pieces = spawn(ingest_worker, 2, (3 * 2 * 2 * 4 * 4 * 3,), timeout_s=120)[1]["buffer"]  # 3 positions a message
+    kv = torch.arange(3 * 2 * 11 * 2 * 4, dtype=torch.float32).view(3, 2, 11, 2, 4)
+    for pos in range(11):  # blocks 5, 2, 6 of 4 tokens hold positions 0-3, 4-7, 8-10
+        assert torch.equal(whole[:, :, (5, 2, 6)[pos // 4], pos % 4], kv[:, :, pos])
+    torch.testing.assert_close(pieces, whole, rtol=0, atol=0, equal_nan=True)
 
 
 def heap_worker(rank: int, world: int, freeze: bool) -> dict:

@@ -236,6 +236,24 @@ def test_slot_mapping_matches_block_table_arithmetic():
 
 
 @pytest.mark.parametrize("seed", range(3))
+def test_ingest_in_pieces_equals_ingest_whole(seed):
+    rng = random.Random(seed)
+    torch.manual_seed(200 + seed)
+    spec = _spec(num_blocks=30, block_size=rng.choice([2, 4, 5]), max_blocks_per_seq=5)
+    whole = PagedKVCache(spec, torch.device("cpu"))
+    pieces = PagedKVCache(spec, torch.device("cpu"))
+    for slot, length, blocks in _random_requests(rng, spec, count=4):
+        kv = torch.randn(spec.num_layers, 2, length, spec.local_kv_heads, spec.head_dim)
+        for cache in (whole, pieces):
+            cache.assign(slot, blocks)
+        whole.ingest(slot, kv)
+        cuts = sorted({0, length, *(rng.randrange(length + 1) for _ in range(3))})
+        for lo, hi in zip(cuts, cuts[1:]):  # pieces of any lengths, not page-aligned
+            pieces.ingest(slot, kv[:, :, lo:hi], start=lo)
+    torch.testing.assert_close(pieces.buffer, whole.buffer, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("seed", range(3))
 def test_ingest_equals_token_by_token_write(seed):
     rng = random.Random(seed)
     torch.manual_seed(100 + seed)

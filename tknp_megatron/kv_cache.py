@@ -195,10 +195,11 @@ class PagedKVCache:
         flat[0].index_copy_(0, slot_mapping, k.to(flat.dtype))
         flat[1].index_copy_(0, slot_mapping, v.to(flat.dtype))
 
-    def ingest(self, slot: int, kv: torch.Tensor) -> None:
-        """Place KV computed elsewhere: ``kv`` ``[layers, 2, L, local_kv_heads, d]``, positions 0..L-1."""
+    def ingest(self, slot: int, kv: torch.Tensor, start: int = 0) -> None:
+        """Place KV computed elsewhere: ``kv`` ``[layers, 2, L, local_kv_heads, d]`` at positions
+        ``start .. start + L - 1`` (a long prompt's KV arrives in pieces)."""
         length = kv.shape[2]
-        positions = torch.arange(length, device=self.block_table.device)
+        positions = torch.arange(start, start + length, device=self.block_table.device)
         slots = torch.full_like(positions, slot)
         mapping = self.slot_mapping(slots, positions)
         flat = self.buffer.flatten(2, 3)  # [layers, 2, blocks * block_size, heads, d]

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from tknp_megatron.executor.dense import finish_layer, qkv_projection, vocab_logits  # noqa: E402
+from tknp_megatron.models.precision import dense_autocast  # noqa: E402
 from tknp_megatron.plan import RequestColumns, StepPlan  # noqa: E402
 from tknp_megatron.profiler import PhaseTimer, PhaseTimes  # noqa: E402
 
@@ -54,11 +55,32 @@ def parse_args(argv=None):
     p.add_argument("--no-fused-rope", action="store_true",
                    help="with the fused kernels, Megatron's RoPE and K/V append instead of one kernel "
                         "per layer (EngineConfig.fused_rope)")
+    p.add_argument("--transformer-impl", default="local", metavar="IMPL",
+                   help="dense layers: local, transformer_engine or auto (TE where installed, on GPU)")
+    p.add_argument("--fp8-recipe", default=None, metavar="RECIPE",
+                   help="FP8-stored GEMM weights through Transformer Engine (tensorwise or blockwise; "
+                        "implies TE layers); the roofline counts them at one byte")
     p.add_argument("--profile", action="store_true",
                    help="also list the GPU kernels of a graphed step (torch.profiler, CUPTI)")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU/gloo smoke run of the eager parts (no graphs, no GPU)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    dense = dense_format(args)
+    if args.dry_run and dense.transformer_impl != "local":
+        p.error(f"--fp8-recipe {args.fp8_recipe} / --transformer-impl {args.transformer_impl}: Transformer "
+                "Engine's layers run on GPUs only, not with --dry-run (local layers)")
+    problems = [] if args.dry_run else dense.problems("cuda")
+    if problems:
+        p.error("; ".join(problems))
+    return args
+
+
+def dense_format(args):
+    """The dense layers from the flags: ``--fp8-recipe`` alone means TE layers."""
+    from tknp_megatron.models.precision import DenseFormat
+
+    impl = "auto" if args.fp8_recipe is not None and args.transformer_impl == "local" else args.transformer_impl
+    return DenseFormat(impl, args.fp8_recipe)
 
 
 def setup(args):
@@ -85,7 +107,7 @@ def setup(args):
     dtype = torch.bfloat16 if cuda else torch.float32
     preset = get_preset(args.model).replace(num_layers=args.layers)
     placement = placement_for(Mode.TKNP, preset, groups)
-    model = build_model(Mode.TKNP, preset, placement, groups, dtype, device)
+    model = build_model(Mode.TKNP, preset, placement, groups, dtype, device, dense=dense_format(args))
     load_weights(model, preset, 0)
     n = groups.num_nodes
     per_owner = -(-max(args.batches) // n)
@@ -174,8 +196,9 @@ def compute_only(ex, preset, batch: int, ctx: int, num_nodes: int, reps: int) ->
     attn_in = torch.randn(batch, 1, ex.heads * ex.head_dim, device=ex.device, dtype=ex.dtype)
 
     def dense():
-        qkv = qkv_projection(block, hidden, ex.fusion)
-        finish_layer(block, attn_in, hidden, ex.fusion)
+        with dense_autocast(ex.model.config, ex.groups.tp_group):  # FP8 GEMMs if stored FP8
+            qkv = qkv_projection(block, hidden, ex.fusion)
+            finish_layer(block, attn_in, hidden, ex.fusion)
         return qkv
 
     plan = decode_plan(batch, ctx, num_nodes, 0)
@@ -310,7 +333,7 @@ def roofline_gap(row: dict, parts) -> dict:
     return gap
 
 
-def summarize(rows_by_rank, layers: int, preset=None, tp: int = 1) -> list:
+def summarize(rows_by_rank, layers: int, preset=None, tp: int = 1, weight_elem: float = 2.0) -> list:
     """Combine ranks (``tp`` per node): critical path and exposed communication share per
     shape, and where rank 0 was profiled, its step against the roofline (:func:`roofline_gap`)."""
     from tknp_megatron.analysis.roofline import tknp_step_parts
@@ -328,7 +351,8 @@ def summarize(rows_by_rank, layers: int, preset=None, tp: int = 1) -> list:
                   busy_ms_by_rank=[r.get("busy_ms") for r in shape_rows])
         r0.pop("phases_ms", None)
         if "kind_ms" in r0 and preset is not None:
-            parts = tknp_step_parts(preset, len(shape_rows) // tp, tp, r0["B"], r0["ctx"])
+            parts = tknp_step_parts(preset, len(shape_rows) // tp, tp, r0["B"], r0["ctx"],
+                                    weight_elem=weight_elem)
             r0["roofline"] = roofline_gap(r0, parts)
         out.append(r0)
     return out
@@ -353,10 +377,10 @@ def main():
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, rows)
     if dist.get_rank() == 0:
-        table = summarize(gathered, args.layers, preset, args.tp)
+        table = summarize(gathered, args.layers, preset, args.tp, 1.0 if args.fp8_recipe else 2.0)
         report = dict(model=args.model, layers=args.layers, nodes=n, tp=args.tp,
                       placement=placement.describe(), graph_tokens_equal_eager=same,
-                      fused_elementwise=ex.fusion is not None,
+                      fused_elementwise=ex.fusion is not None, fp8_recipe=args.fp8_recipe,
                       gpu=torch.cuda.get_device_name() if not args.dry_run else "cpu (dry run)",
                       rows=table)
         if args.out:

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The full Llama-3.1-70B (all 80 layers, FP8-stored GEMM weights through Transformer Engine) on
+# one H200: its graphed decode step against its roofline, part by part
+# (tknp_megatron.tools.bench_step --profile --fp8-recipe; FP8 weights counted at one byte): the
+# GPU kernels grouped into attention, GEMMs, NCCL and the rest, each against the roofline's
+# part, and the GPU's idle time. It names what the served full-FP8 rows of h200_full_fp8.sh
+# spend beyond their roofline step. KV is sized for the largest batch at the context
+# (every request's pages in order).
+# Needs megatron-core 0.16.1 and transformer-engine 2.20.2 on PYTHONPATH (../shared/DEVICE.md
+# says how to carry them).
+# Usage: OUT=dir [BATCHES="2 4 16"] [CONTEXTS=8192] [RECIPE=tensorwise] [RUN_TIMEOUT=300]
+#        bash benchmarks/scripts/h200_full_fp8_step.sh
+set -u
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+timeout -k 5 ${RUN_TIMEOUT:-300} python -m torch.distributed.run --nproc-per-node 1 -m tknp_megatron.tools.bench_step \
+  --layers 80 --fp8-recipe ${RECIPE:-tensorwise} --profile --reps 10 --batches ${BATCHES:-2 4 16} \
+  --contexts ${CONTEXTS:-8192} --out "$OUT/full_fp8_step.json" > "$OUT/full_fp8_step.txt" 2>&1
+echo "== full_fp8_step: exit $?"
+grep -v "^\[" "$OUT/full_fp8_step.txt" | grep -vi "warn" | tail -n 80
