@@ -109,3 +109,12 @@ def test_the_papers_dual_schedule_overlaps_dense_and_attention():
     attn = 2 * 2 * per_owner * 131072 * 8 * 128 / 4.3e12
     logits = 478e-6 * (2 * 128256 * 8192) / H200.dense_ref_bytes  # the last roots, B/2 each, at once
     assert predicted_step_s("tknp-dual-paper", p, 4, 1, 128, 131072) == pytest.approx(8 * 2 * attn + logits)
+
+
+def test_hardware_is_chosen_by_the_gpu_name():
+    from tknp_megatron.analysis.roofline import H100, H200, hardware_for
+
+    assert hardware_for("NVIDIA H100 80GB HBM3") is H100
+    assert hardware_for("NVIDIA H200") is H200
+    assert hardware_for("cpu (dry run)") is H200
+    assert H100.kv_bw < H200.kv_bw

@@ -83,6 +83,12 @@ _HBM = 3.35 / 4.8
 H100 = Hardware(dense_s=tuple(t / _HBM for t in H200.dense_s), kv_bw=H200.kv_bw * _HBM)
 
 
+def hardware_for(device_name: str) -> Hardware:
+    """The roofline's hardware for a GPU by its name (``torch.cuda.get_device_name()``):
+    :data:`H100` for an H100, else :data:`H200` (the machine every calibration was measured on)."""
+    return H100 if "H100" in device_name.upper() else H200
+
+
 def dense_gemm_s(hw: Hardware, rows: float, weight_bytes: float) -> float:
     """GEMM time of ``weight_bytes`` of weights over ``rows`` rows, from the calibration."""
     if rows <= 0:

@@ -333,10 +333,12 @@ def roofline_gap(row: dict, parts) -> dict:
     return gap
 
 
-def summarize(rows_by_rank, layers: int, preset=None, tp: int = 1, weight_elem: float = 2.0) -> list:
+def summarize(rows_by_rank, layers: int, preset=None, tp: int = 1, weight_elem: float = 2.0,
+              gpu: str = "H200") -> list:
     """Combine ranks (``tp`` per node): critical path and exposed communication share per
-    shape, and where rank 0 was profiled, its step against the roofline (:func:`roofline_gap`)."""
-    from tknp_megatron.analysis.roofline import tknp_step_parts
+    shape, and where rank 0 was profiled, its step against the roofline (:func:`roofline_gap`)
+    of ``gpu`` (:func:`~tknp_megatron.analysis.roofline.hardware_for`)."""
+    from tknp_megatron.analysis.roofline import hardware_for, tknp_step_parts
 
     out = []
     for shape_rows in zip(*rows_by_rank):
@@ -352,7 +354,7 @@ def summarize(rows_by_rank, layers: int, preset=None, tp: int = 1, weight_elem: 
         r0.pop("phases_ms", None)
         if "kind_ms" in r0 and preset is not None:
             parts = tknp_step_parts(preset, len(shape_rows) // tp, tp, r0["B"], r0["ctx"],
-                                    weight_elem=weight_elem)
+                                    hw=hardware_for(gpu), weight_elem=weight_elem)
             r0["roofline"] = roofline_gap(r0, parts)
         out.append(r0)
     return out
@@ -377,11 +379,12 @@ def main():
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, rows)
     if dist.get_rank() == 0:
-        table = summarize(gathered, args.layers, preset, args.tp, 1.0 if args.fp8_recipe else 2.0)
+        gpu = torch.cuda.get_device_name() if not args.dry_run else "cpu (dry run)"
+        table = summarize(gathered, args.layers, preset, args.tp, 1.0 if args.fp8_recipe else 2.0, gpu)
         report = dict(model=args.model, layers=args.layers, nodes=n, tp=args.tp,
                       placement=placement.describe(), graph_tokens_equal_eager=same,
                       fused_elementwise=ex.fusion is not None, fp8_recipe=args.fp8_recipe,
-                      gpu=torch.cuda.get_device_name() if not args.dry_run else "cpu (dry run)",
+                      gpu=gpu,
                       rows=table)
         if args.out:
             with open(args.out, "w") as f:
