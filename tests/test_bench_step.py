@@ -64,8 +64,10 @@ def test_fp8_without_a_gpu_is_refused_in_one_line():
     proc = subprocess.run([sys.executable, "-m", "tknp_megatron.tools.bench_step", "--dry-run",
                            "--fp8-recipe", "tensorwise"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2
-    assert "--fp8-recipe tensorwise / --transformer-impl local: Transformer Engine's layers run on GPUs only" \
+    assert "--fp8-recipe tensorwise: Transformer Engine's layers run on GPUs only" \
         in proc.stderr.strip().splitlines()[-1]
+    with pytest.raises(SystemExit):
+        parse_args(["--dry-run", "--transformer-impl", "transformer_engine"])
     # --fp8-recipe alone means TE layers; the default stays Megatron's local layers
     assert dense_format(parse_args(["--dry-run"])).transformer_impl == "local"
     fp8 = dense_format(argparse_ns(fp8_recipe="tensorwise", transformer_impl="local"))

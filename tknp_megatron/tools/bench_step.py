@@ -67,8 +67,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     dense = dense_format(args)
     if args.dry_run and dense.transformer_impl != "local":
-        p.error(f"--fp8-recipe {args.fp8_recipe} / --transformer-impl {args.transformer_impl}: Transformer "
-                "Engine's layers run on GPUs only, not with --dry-run (local layers)")
+        flag = (f"--fp8-recipe {args.fp8_recipe}" if args.fp8_recipe is not None
+                else f"--transformer-impl {args.transformer_impl}")
+        p.error(f"{flag}: Transformer Engine's layers run on GPUs only, not with --dry-run (local layers)")
     problems = [] if args.dry_run else dense.problems("cuda")
     if problems:
         p.error("; ".join(problems))
