@@ -1,6 +1,7 @@
 """tknp_megatron/tools/bench_step.py's CPU dry run (gloo, 2 processes): the GPU benchmark's eager parts
 and its graph-vs-eager token check keep working between GPU sessions."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -70,11 +71,5 @@ def test_fp8_without_a_gpu_is_refused_in_one_line():
         parse_args(["--dry-run", "--transformer-impl", "transformer_engine"])
     # --fp8-recipe alone means TE layers; the default stays Megatron's local layers
     assert dense_format(parse_args(["--dry-run"])).transformer_impl == "local"
-    fp8 = dense_format(argparse_ns(fp8_recipe="tensorwise", transformer_impl="local"))
+    fp8 = dense_format(argparse.Namespace(fp8_recipe="tensorwise", transformer_impl="local"))
     assert (fp8.transformer_impl, fp8.fp8_recipe) == ("auto", "tensorwise")
-
-
-def argparse_ns(**kw):
-    import argparse
-
-    return argparse.Namespace(**kw)
