@@ -19,7 +19,7 @@ from tknp_megatron.mode import Mode
 WORLDS = {2: [(2, 1)], 4: [(4, 1), (2, 2)]}
 SHAPES = [s for shapes in WORLDS.values() for s in shapes]
 NAMES = ("llama-waves", "nemotron-waves", "llama-few", "llama-ingest", "llama-sampled", "llama-eos",
-         "llama-graph-path")
+         "llama-graph-path", "llama-graph-aligned")
 DUAL_SCENARIOS = [s for s in SCENARIOS if s.name in NAMES]
 
 

@@ -101,3 +101,17 @@ def test_check_fp8_script_runs_on_cpu(tmp_path):
     (dcp,) = report["dcp"]
     assert dcp["megatron_first_token_agreement"] == 1.0 and dcp["megatron_first_logit_max_diff"] < 1e-4
     assert dcp["vs_tknp"]["token_agreement"] == 1.0
+
+
+def test_rows_are_padded_by_the_step_only_where_the_zero_rows_stay_zero():
+    """row_alignment: 1 (Megatron's per-GEMM padding, or none) without FP8, and with FP8
+    for a LayerNorm or biased model, whose padded rows would not stay zero through a layer
+    and would enter FC2's per-tensor amax (the aligned FP8 Llama case needs TE and runs in
+    the GPU machine's bench_step, whose graph replay is checked against eager steps)."""
+    from types import SimpleNamespace
+
+    from tknp_megatron.models.precision import row_alignment
+
+    assert row_alignment(SimpleNamespace(fp8=None, normalization="RMSNorm", add_bias_linear=False)) == 1
+    assert row_alignment(SimpleNamespace(fp8="hybrid", normalization="LayerNorm", add_bias_linear=False)) == 1
+    assert row_alignment(SimpleNamespace(fp8="hybrid", normalization="RMSNorm", add_bias_linear=True)) == 1

@@ -30,6 +30,7 @@ class Scenario:
     block_size: int = 4
     extra_bad: bool = False  # append invalid requests
     graphs: bool = False  # bucketed, padded decode path (what CUDA graphs replay)
+    row_align: int = 1  # the roots' rows padded with zero rows to a multiple of it (FP8 runs: 16)
     eos_id: Optional[int] = None
     log_probs: int = -1  # >= 0: return log-probs with this many top tokens
     stop: Tuple[Tuple[int, ...], ...] = ()  # stop sequences
@@ -118,6 +119,9 @@ def tknp_worker(rank, world, shapes, scenarios, seed, kv_by_scenario, mode="tknp
                                   cuda_graphs=s.graphs)
             engine = build_engine(shape_mode, get_preset(s.preset), groups, config, torch.device("cpu"),
                                   torch.float32, weights=seed)
+            if s.row_align > 1:  # what an FP8 Llama's executor takes from TE (row_alignment)
+                assert engine.executor.row_align == 1  # fp32 here: nothing padded by the step
+                engine.executor.row_align = s.row_align
             if s.graphs and shape_mode in (Mode.TKNP, Mode.DP, Mode.PP):  # (dual roots capture on first sight)
                 # the all-padding steps a GPU captures at start-up, run first (eagerly here):
                 # they must leave every request's tokens as they were
@@ -178,6 +182,9 @@ def _scenarios():
         Scenario("llama-sampled", "tiny", mixed[:6], max_new[:6], kv_tokens_per_node=96,
                  temperature=0.8, top_k=40, top_p=0.9, log_probs=3),
         Scenario("llama-graph-path", "tiny", mixed, max_new, kv_tokens_per_node=40, graphs=True),
+        # the same with the roots' hidden state padded to 16 rows, as FP8 runs pad it
+        Scenario("llama-graph-aligned", "tiny", mixed, max_new, kv_tokens_per_node=40, graphs=True,
+                 row_align=16),
         # token 76 is EOS: two requests end on it mid-decode (the reference's greedy tokens
         # of this scenario contain it at steps 2 and 5), while their next step is queued;
         # two more end on a stop sequence (220 373 at steps 3-4, 483 at step 3)

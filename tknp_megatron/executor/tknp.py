@@ -32,7 +32,7 @@ from tknp_megatron.executor.rope import Rope
 from tknp_megatron.executor.step_inputs import GraphStep, PaddedStep, StepInputs, padded_step, prepare_inputs
 from tknp_megatron.kv_cache import PagedKVCache
 from tknp_megatron.models.model import StageModel
-from tknp_megatron.models.precision import dense_autocast
+from tknp_megatron.models.precision import dense_autocast, row_alignment
 from tknp_megatron.placement import Placement
 from tknp_megatron.plan import Admission, StepPlan
 from tknp_megatron.profiler import PhaseTimer
@@ -98,6 +98,9 @@ class TKNPExecutor:
         self.admitter = Admitter(kv, kv_slice, device, owner=self.node, ingest=ingest)
         self.graphs = None  # set by enable_cuda_graphs
         self.plan_owners = groups.num_nodes  # a plan's owners: every node
+        # the roots' hidden state: the step's rows, then zero rows up to a multiple of this
+        # (FP8 GEMMs' alignment, where exact; models/precision.py: row_alignment)
+        self.row_align = row_alignment(cfg)
         self.last_tokens: Optional[torch.Tensor] = None  # [R] previous step's tokens (device)
         self.graph_last: Optional[torch.Tensor] = None  # graphs: the previous step's tokens, fixed
         self._padded: Optional[PaddedStep] = None  # graphs: the last step's padded plan and inputs
@@ -176,12 +179,22 @@ class TKNPExecutor:
         self.admitter.apply(admissions)
 
     # ---------------------------------------------------------------- root side
+    def _dense_rows(self, rows: int) -> int:
+        """Rows of the roots' hidden state for a step of ``rows`` rows: ``rows`` and the
+        zero rows that align it (``row_align``)."""
+        return -(-rows // self.row_align) * self.row_align
+
     def _hidden_buffer(self, rows: int) -> torch.Tensor:
-        return torch.empty(rows, 1, self.hidden_size, dtype=self.dtype, device=self.device)
+        return torch.empty(self._dense_rows(rows), 1, self.hidden_size, dtype=self.dtype, device=self.device)
 
     def _embed(self, inp: StepInputs) -> torch.Tensor:
-        """``[rows]`` token ids -> ``[rows, 1, D]`` (Megatron's [s, b, h])."""
-        return self.model.embedding(inp.tokens.unsqueeze(0), position_ids=None)
+        """``[rows]`` token ids -> ``[dense rows, 1, D]`` (Megatron's [s, b, h]): the step's
+        rows, then zero rows up to the dense alignment. The roots' norms, GEMMs and MLP run
+        over every row; the zero rows stay zero (``row_alignment`` says where that holds),
+        never reach an owner and are never sampled."""
+        hidden = self.model.embedding(inp.tokens.unsqueeze(0), position_ids=None)
+        pad = self._dense_rows(hidden.shape[0]) - hidden.shape[0]
+        return torch.nn.functional.pad(hidden, (0, 0, 0, 0, 0, pad)) if pad else hidden
 
     def _layer(self, layer, root, hidden, inp: StepInputs, timer):
         is_root = self.node == root
@@ -204,7 +217,10 @@ class TKNPExecutor:
 
     # ---------------------------------------------------------------- comm
     def _scatter_qkv(self, qkv: Optional[torch.Tensor], root: int, inp: StepInputs) -> torch.Tensor:
-        """This node's rows ``[own_rows, qkv_width]`` of the root's QKV ``[rows, qkv_width]``."""
+        """This node's rows ``[own_rows, qkv_width]`` of the root's QKV ``[dense rows, qkv_width]``
+        (its first ``rows`` rows: the alignment's zero rows stay on the root)."""
+        if qkv is not None:
+            qkv = qkv[: inp.shape.num_rows]
         if self.comm.num_nodes == 1:  # one node (DP, TP): the root owns every row, nothing moves
             return qkv
         rows = inp.shape.rows_per_owner
@@ -212,16 +228,21 @@ class TKNPExecutor:
         return self.comm.scatter(qkv, root, rows, mine)
 
     def _gather_attention(self, attn: torch.Tensor, root: int, inp: StepInputs) -> Optional[torch.Tensor]:
-        """Every owner's ``[own_rows, W]`` outputs -> ``[rows, W]`` in batch order on ``root``."""
+        """Every owner's ``[own_rows, W]`` outputs -> ``[dense rows, W]`` in batch order on
+        ``root``, zero at the alignment's rows."""
+        rows = inp.shape.num_rows
+        pad = self._dense_rows(rows) - rows
         if self.comm.num_nodes == 1:  # the root's own rows, already in batch order
-            return attn
+            return torch.nn.functional.pad(attn, (0, 0, 0, pad)) if pad else attn
         out = None
         if self.node == root:
-            out = torch.empty(inp.shape.num_rows, attn.shape[1], dtype=self.dtype, device=self.device)
-        return self.comm.gather(attn, root, inp.shape.rows_per_owner, out)
+            out = (torch.zeros if pad else torch.empty)(rows + pad, attn.shape[1], dtype=self.dtype,
+                                                       device=self.device)
+        self.comm.gather(attn, root, inp.shape.rows_per_owner, None if out is None else out[:rows])
+        return out
 
     def _handoff(self, hidden, src: int, dst: int, inp: StepInputs):
-        """Hidden state ``[rows, 1, D]`` from root ``src`` to root ``dst`` (None elsewhere)."""
+        """Hidden state ``[dense rows, 1, D]`` from root ``src`` to root ``dst`` (None elsewhere)."""
         buf = self._hidden_buffer(inp.shape.num_rows) if self.node == dst else None
         return self.comm.handoff(hidden, src, dst, buf)
 

@@ -29,6 +29,7 @@ import statistics
 import sys
 import time
 import warnings
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -60,6 +61,9 @@ def parse_args(argv=None):
     p.add_argument("--fp8-recipe", default=None, metavar="RECIPE",
                    help="FP8-stored GEMM weights through Transformer Engine (tensorwise or blockwise; "
                         "implies TE layers); the roofline counts them at one byte")
+    p.add_argument("--megatron-row-padding", action="store_true",
+                   help="FP8: leave the padding of each GEMM's rows to Megatron's per-linear wrappers "
+                        "instead of padding the step's rows once (models/precision.py: row_alignment)")
     p.add_argument("--profile", action="store_true",
                    help="also list the GPU kernels of a graphed step (torch.profiler, CUPTI)")
     p.add_argument("--dry-run", action="store_true",
@@ -127,6 +131,8 @@ def setup(args):
     fusion = dense_fusion_for(model, device, False if args.no_fused_elementwise else None, not args.no_fused_rope)
     ex = TKNPExecutor(model, placement, groups, kv, rope, get_backend(None, device),
                       preset.vocab_size, device, fusion=fusion)
+    if args.megatron_row_padding:
+        ex.row_align = 1
     return groups, preset, placement, ex
 
 
@@ -233,6 +239,25 @@ def check_graph_tokens(ex, batch: int, ctx: int, n: int, steps: int = 4) -> bool
             out.append(tokens.cpu())
         runs.append(torch.stack(out))
     ex.graphs = None
+    return bool(torch.equal(runs[0], runs[1]))
+
+
+def check_row_padding(ex, batch: int, ctx: int, n: int, steps: int = 4) -> Optional[bool]:
+    """Where the step pads the roots' rows itself (``ex.row_align`` > 1: FP8), eager steps
+    give the tokens they give with Megatron's per-GEMM padding instead (``row_align`` 1),
+    from the same KV state (as :func:`check_graph_tokens`); None where the step pads nothing."""
+    align = ex.row_align
+    if align == 1:
+        return None
+    runs = []
+    ex.graphs = None
+    for ex.row_align in (align, 1):
+        tokens, out = None, []
+        for step in range(steps):
+            tokens = ex.execute(decode_plan(batch, ctx, n, step, tokens)).tokens
+            out.append(tokens.cpu())
+        runs.append(torch.stack(out))
+    ex.row_align = align
     return bool(torch.equal(runs[0], runs[1]))
 
 
@@ -372,6 +397,8 @@ def main():
     groups, preset, placement, ex = setup(args)
     n = groups.num_nodes
     same = check_graph_tokens(ex, min(args.batches), min(args.contexts), n)
+    padded_same = None if args.megatron_row_padding else check_row_padding(ex, min(args.batches),
+                                                                              min(args.contexts), n)
     rows = []
     with torch.no_grad():
         for ctx in args.contexts:
@@ -384,6 +411,8 @@ def main():
         table = summarize(gathered, args.layers, preset, args.tp, 1.0 if args.fp8_recipe else 2.0, gpu)
         report = dict(model=args.model, layers=args.layers, nodes=n, tp=args.tp,
                       placement=placement.describe(), graph_tokens_equal_eager=same,
+                      row_align=ex.row_align, row_padding_tokens_equal_megatrons=padded_same,
+                      megatron_row_padding=args.megatron_row_padding,
                       fused_elementwise=ex.fusion is not None, fp8_recipe=args.fp8_recipe,
                       gpu=gpu,
                       rows=table)
@@ -391,6 +420,9 @@ def main():
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=1)
         print(f"graph replay tokens == eager tokens: {same}; fused element-wise kernels: {ex.fusion is not None}")
+        if padded_same is not None:
+            print(f"rows padded to {ex.row_align} once per step: tokens == with Megatron's per-GEMM padding: "
+                  f"{padded_same}")
         print(f"{'B':>5} {'ctx':>6} {'eager_ms':>9} {'graph_ms':>9} {'dense_ms':>9} "
               f"{'attn_ms':>8} {'crit_ms':>8} {'exposed':>8}")
         for r in table:
