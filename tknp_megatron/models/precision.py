@@ -188,8 +188,11 @@ def row_alignment(config) -> int:
 
     try:
         from transformer_engine.pytorch.quantization import get_align_size_for_quantization
-    except ImportError:  # TE before 2.9 kept it beside its FP8 state
-        from transformer_engine.pytorch.fp8 import get_align_size_for_quantization
+    except ImportError:
+        try:  # where earlier TE releases kept it, beside their FP8 state
+            from transformer_engine.pytorch.fp8 import get_align_size_for_quantization
+        except ImportError:  # a TE without it: Megatron's per-GEMM padding, which asks TE itself
+            return 1
     return int(get_align_size_for_quantization(get_fp8_recipe(config)))
 
 
