@@ -18,7 +18,7 @@ from tknp_megatron.mode import Mode
 
 WORLDS = {2: [(1, 2), (2, 1)], 3: [(3, 1)], 4: [(2, 2)]}
 SHAPES = [s for shapes in WORLDS.values() for s in shapes]
-PP_SCENARIOS = [s for s in SCENARIOS if not s.ingest and s.row_align == 1]  # (a stage keeps its rows)
+PP_SCENARIOS = [s for s in SCENARIOS if not s.ingest and s.row_align == 1]  # (PP keeps Megatron's FP8 padding)
 INGEST = [s for s in SCENARIOS if s.ingest]
 
 

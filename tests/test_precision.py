@@ -106,8 +106,9 @@ def test_check_fp8_script_runs_on_cpu(tmp_path):
 def test_rows_are_padded_by_the_step_only_where_the_zero_rows_stay_zero():
     """row_alignment: 1 (Megatron's per-GEMM padding, or none) without FP8, and with FP8
     for a LayerNorm or biased model, whose padded rows would not stay zero through a layer
-    and would enter FC2's per-tensor amax (the aligned FP8 Llama case needs TE and runs in
-    the GPU machine's bench_step, whose graph replay is checked against eager steps)."""
+    and would enter FC2's per-tensor amax. (The FP8 Llama case, 16, needs TE: the GPU
+    machine's bench_step compares its tokens with Megatron's padding, check_row_padding; the
+    padding itself runs on CPU in the llama-graph-aligned scenario of the end-to-end tests.)"""
     from types import SimpleNamespace
 
     from tknp_megatron.models.precision import row_alignment
