@@ -222,43 +222,40 @@ def compute_only(ex, preset, batch: int, ctx: int, num_nodes: int, reps: int) ->
     return out
 
 
-def check_graph_tokens(ex, batch: int, ctx: int, n: int, steps: int = 4) -> bool:
-    """Graph replay gives the tokens of eager steps from the same KV state.
+def decode_tokens(ex, batch: int, ctx: int, n: int, steps: int = 4) -> torch.Tensor:
+    """``[steps, batch]`` tokens of ``steps`` decode steps from position ``ctx - 1``, each
+    fed the tokens of the step before. A run writes the KV of positions ctx-1.. before
+    reading them and never reads past its own step, so runs in turn see the same state."""
+    tokens, out = None, []
+    for step in range(steps):
+        tokens = ex.execute(decode_plan(batch, ctx, n, step, tokens)).tokens
+        out.append(tokens.cpu())
+    return torch.stack(out)
 
-    Both runs write the KV of positions ctx-1.. before reading them, and never read past
-    their own step, so the second run sees exactly the state the first one did.
-    """
-    runs = []
-    for use_graph in (False, True):
-        ex.graphs = None
-        if use_graph:
-            ex.enable_cuda_graphs()
-        tokens, out = None, []
-        for step in range(steps):
-            tokens = ex.execute(decode_plan(batch, ctx, n, step, tokens)).tokens
-            out.append(tokens.cpu())
-        runs.append(torch.stack(out))
+
+def check_graph_tokens(ex, batch: int, ctx: int, n: int) -> bool:
+    """Graph replay gives the tokens of eager steps from the same KV state."""
     ex.graphs = None
-    return bool(torch.equal(runs[0], runs[1]))
+    eager = decode_tokens(ex, batch, ctx, n)
+    ex.enable_cuda_graphs()
+    graphed = decode_tokens(ex, batch, ctx, n)
+    ex.graphs = None
+    return bool(torch.equal(eager, graphed))
 
 
-def check_row_padding(ex, batch: int, ctx: int, n: int, steps: int = 4) -> Optional[bool]:
+def check_row_padding(ex, batch: int, ctx: int, n: int) -> Optional[bool]:
     """Where the step pads the roots' rows itself (``ex.row_align`` > 1: FP8), eager steps
     give the tokens they give with Megatron's per-GEMM padding instead (``row_align`` 1),
-    from the same KV state (as :func:`check_graph_tokens`); None where the step pads nothing."""
+    from the same KV state; None where the step pads nothing."""
     align = ex.row_align
     if align == 1:
         return None
-    runs = []
     ex.graphs = None
-    for ex.row_align in (align, 1):
-        tokens, out = None, []
-        for step in range(steps):
-            tokens = ex.execute(decode_plan(batch, ctx, n, step, tokens)).tokens
-            out.append(tokens.cpu())
-        runs.append(torch.stack(out))
+    padded_once = decode_tokens(ex, batch, ctx, n)
+    ex.row_align = 1
+    per_gemm = decode_tokens(ex, batch, ctx, n)
     ex.row_align = align
-    return bool(torch.equal(runs[0], runs[1]))
+    return bool(torch.equal(padded_once, per_gemm))
 
 
 def bench_shape(ex, preset, batch, ctx, args) -> dict:
@@ -397,8 +394,7 @@ def main():
     groups, preset, placement, ex = setup(args)
     n = groups.num_nodes
     same = check_graph_tokens(ex, min(args.batches), min(args.contexts), n)
-    padded_same = None if args.megatron_row_padding else check_row_padding(ex, min(args.batches),
-                                                                              min(args.contexts), n)
+    padded_same = check_row_padding(ex, min(args.batches), min(args.contexts), n)  # (None: row_align 1)
     rows = []
     with torch.no_grad():
         for ctx in args.contexts:
