@@ -78,6 +78,9 @@ def dcp_worker(rank, world, cases: Sequence[DCPCase], scenarios: Sequence[Scenar
                                   record_logits=not s.graphs, cuda_graphs=s.graphs)
             engine = build_engine(Mode.DCP, preset, groups, config, torch.device("cpu"), torch.float32,
                                   weights=seed)
+            if s.row_align > 1:  # what an FP8 Llama's executor takes from TE (row_alignment)
+                assert engine.executor.row_align == 1  # fp32 here: nothing padded by the step
+                engine.executor.row_align = s.row_align
             if s.graphs:  # the all-padding steps a GPU captures at start-up, run first (eagerly
                 # here): their k/v writes go to the scratch block, so no request's tokens change
                 assert engine.executor.graphs.capture_buckets(CAPTURED_AHEAD) > 0

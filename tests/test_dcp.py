@@ -5,7 +5,8 @@ Greedy tokens must match exactly and logits within 1e-4 for W = 2 with an MQA ti
 through the same path (prefill), requests finish mid-batch, and a tight KV budget forces
 admission waves. The greedy waves and the seeded sampling also run on the bucketed, padded
 decode path that CUDA graphs replay (eagerly on CPU, after the all-padding steps a GPU
-captures at start-up): same tokens, and the path is taken. Unit tests: partial attention
+captures at start-up): same tokens, and the path is taken; and with the hidden state
+padded once per step to a multiple of 16 rows, as FP8 runs pad it. Unit tests: partial attention
 over cyclic shards merged with LSE equals full attention; the Triton decode path equals
 the torch partial attention per shard; padded decode inputs have one shape per bucket and
 write only the rows a shard holds to real KV; the DCP QKV module holds exactly its rows
@@ -58,7 +59,7 @@ from tknp_megatron.plan import RequestColumns, StepPlan  # noqa: E402
 SEED = 5
 GRAPHS = ("waves", "graph-path")
 CASES = [
-    DCPCase(2, "tiny", 1, GRAPHS + ("sampled", "sampled-graph")),  # MQA, D = 2
+    DCPCase(2, "tiny", 1, GRAPHS + ("sampled", "sampled-graph", "graph-aligned")),  # MQA, D = 2
     DCPCase(4, "tiny", 2, GRAPHS),  # Hkv = 2, D = 2 (two DCP groups)
     DCPCase(4, "tiny", 1, GRAPHS + ("sampled-graph",)),  # MQA, D = 4
 ]
@@ -75,6 +76,9 @@ SCENARIOS = [
     Scenario("graph-path", "tiny", *WAVES, kv_tokens_per_node=48, block_size=4, graphs=True),
     Scenario("sampled-graph", "tiny", *SAMPLED, kv_tokens_per_node=96, **SAMPLING, block_size=8,
              graphs=True),
+    # the hidden state padded with zero rows to a multiple of 16 once per step, as FP8 runs
+    # pad it (models/precision.py: row_alignment): the same tokens
+    Scenario("graph-aligned", "tiny", *WAVES, kv_tokens_per_node=48, block_size=4, graphs=True, row_align=16),
 ]
 
 
@@ -401,6 +405,15 @@ def test_graph_path_is_taken(dcp, case):
     run = dcp[(case.name, "graph-path")][0]
     assert run["graph_steps"] > 0 and run["waves"] >= 2
     assert dcp[(case.name, "waves")][0]["graph_steps"] == 0
+
+
+def test_gemms_see_aligned_rows(dcp):
+    """With the hidden state padded to 16 rows once per step, every dense GEMM runs over a
+    multiple of 16 rows; without, over the step's rows."""
+    case = CASES[0]
+    aligned = dcp[(case.name, "graph-aligned")][0]["gemm_rows"]
+    assert aligned and all(rows % 16 == 0 for rows in aligned), aligned
+    assert any(rows % 16 for rows in dcp[(case.name, "graph-path")][0]["gemm_rows"])
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

@@ -109,3 +109,13 @@ def test_eos_while_next_step_is_queued(tknp, reference, shape):
     assert sorted(reasons) == ["eos", "eos", "stop", "stop"], reasons
     for r in early:
         assert r.tokens[-1] == scenario.eos_id or any(r.tokens[-len(q):] == q for q in scenario.stop)
+
+
+@pytest.mark.parametrize("shape", ALL_SHAPES + [DP_SHAPE], ids=lambda s: "x".join(map(str, s)))
+def test_every_gemm_sees_aligned_rows(tknp, shape):
+    """With the roots' rows padded to 16 once per step (as FP8 runs pad them), every dense
+    GEMM of the coordinator's layers runs over a multiple of 16 rows; without, it runs over
+    the step's rows (the check tells the two apart)."""
+    aligned = tknp[(*shape, "llama-graph-aligned")]["gemm_rows"]
+    assert aligned and all(rows % 16 == 0 for rows in aligned), aligned
+    assert any(rows % 16 for rows in tknp[(*shape, "llama-graph-path")]["gemm_rows"])

@@ -131,8 +131,12 @@ def tknp_worker(rank, world, shapes, scenarios, seed, kv_by_scenario, mode="tknp
     return out
 
 
+DENSE_GEMMS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # a layer's GEMMs, by module name
+
+
 def run_scenario(engine, s: Scenario, kvs):
-    """Submit the scenario on the coordinator and serve it; return results and metrics."""
+    """Submit the scenario on the coordinator and serve it; return results and metrics, and
+    the row counts the coordinator's dense GEMMs saw (``gemm_rows``)."""
     from tknp_megatron.sampling import SamplingParams
 
     if not engine.groups.is_coordinator:
@@ -152,8 +156,16 @@ def run_scenario(engine, s: Scenario, kvs):
                ([1] * 8, SamplingParams(max_new_tokens=s.kv_tokens_per_node * 4))]
         base = len(s.prompts)
         ids += [engine.add_request(p, sp, request_id=base + j) for j, (p, sp) in enumerate(bad)]
-    engine.run_until_done()
+    gemm_rows = set()  # the row counts this rank's dense GEMMs saw
+    hooks = [module.register_forward_pre_hook(lambda mod, args: gemm_rows.add(args[0].shape[0]))
+             for name, module in engine.executor.model.named_modules() if name.endswith(DENSE_GEMMS)]
+    try:
+        engine.run_until_done()
+    finally:
+        for h in hooks:
+            h.remove()
     return dict(
+        gemm_rows=sorted(gemm_rows),
         results=[engine.result(i) for i in ids],
         waves=engine.metrics().waves,
         capacity=engine.kv_capacity_tokens,

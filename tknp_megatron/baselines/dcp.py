@@ -60,14 +60,14 @@ from tknp_megatron.engine.base import BuiltExecutor
 from tknp_megatron.engine.engine import LockstepEngine
 from tknp_megatron.engine.kv_budget import budget_blocks, pool_block_counts
 from tknp_megatron.executor.base import StepOutput
-from tknp_megatron.executor.dense import finish_layer, qkv_projection, vocab_logits
+from tknp_megatron.executor.dense import finish_layer, pad_rows, qkv_projection, vocab_logits
 from tknp_megatron.executor.dense_fusion import DenseFusion, dense_fusion_for
 from tknp_megatron.executor.ingest import Admitter, KVSlice
 from tknp_megatron.executor.rope import Rope
 from tknp_megatron.executor.step_inputs import GraphStep, PaddedStep, padded_step
 from tknp_megatron.executor.tknp import draw_tokens
 from tknp_megatron.kv_cache import KVCacheSpec, PagedKVCache
-from tknp_megatron.models.precision import dense_autocast
+from tknp_megatron.models.precision import dense_autocast, row_alignment
 from tknp_megatron.placement import balanced_placement
 from tknp_megatron.plan import Admission, StepPlan
 from tknp_megatron.sampling import token_log_probs
@@ -162,6 +162,9 @@ class DCPExecutor:
         self.head_dim = cfg.kv_channels
         self.scale = self.head_dim ** -0.5
         self.dtype = cfg.params_dtype
+        # the hidden state: the step's rows, then zero rows up to a multiple of this (FP8
+        # GEMMs' alignment, where exact; models/precision.py: row_alignment)
+        self.row_align = row_alignment(cfg)
         self.fused_decode = triton_decode_usable(device)  # decode steps on the Triton kernel
         fa3_rule = attention_backend in (None, "auto", "fa3")
         self.fa3 = FlashAttn3Backend() if fa3_rule and fa3_usable(device) else None  # decode, per shape
@@ -212,6 +215,7 @@ class DCPExecutor:
     def _forward(self, inp: DCPStepInputs, record_logits: bool = False, top_n: int = -1) -> StepOutput:
         """Embedding, the layer loop and sampling over prepared inputs (no host work)."""
         hidden = self.model.embedding(inp.tokens.unsqueeze(0), position_ids=None)  # [rows, 1, D]
+        hidden = pad_rows(hidden, self.row_align)  # [dense rows, 1, D]: the alignment's zero rows
         for layer in range(self.num_layers):
             hidden = self._layer(layer, hidden, inp)
         return self._sample(hidden, inp, record_logits, top_n)
@@ -243,8 +247,8 @@ class DCPExecutor:
     # ---------------------------------------------------------------- one layer
     def _layer(self, layer: int, hidden: torch.Tensor, inp: DCPStepInputs) -> torch.Tensor:
         block = self.model.layer(layer)
-        rows, h, d = hidden.shape[0], self.heads, self.head_dim
-        qkv = qkv_projection(block, hidden, self.fusion).view(rows, h + 2, d)  # own q heads, k, v
+        rows, h, d = inp.shape.num_rows, self.heads, self.head_dim
+        qkv = qkv_projection(block, hidden, self.fusion)[:rows].view(rows, h + 2, d)  # own q heads, k, v
         q = self.rope.apply(qkv[:, :h], inp.freqs)
         k = self.rope.apply(qkv[:, h : h + 1], inp.freqs)
         v = qkv[:, h + 1 : h + 2]
@@ -260,7 +264,7 @@ class DCPExecutor:
             attend = partial_attention_triton if inp.decode and self.fused_decode else partial_attention
             out, lse = attend(queries, k_cache, v_cache, inp.attn, self.scale)
         attn = self._merge(out, lse).to(self.dtype).reshape(rows, 1, h * d)
-        return finish_layer(block, attn, hidden, self.fusion)
+        return finish_layer(block, pad_rows(attn, self.row_align), hidden, self.fusion)
 
     def _fa3_decode(self, queries: torch.Tensor, k_cache: torch.Tensor, inp: DCPStepInputs) -> bool:
         """Whether this decode step's shard attention runs on FA3 (host ints only: a graph

@@ -35,14 +35,14 @@ from tknp_megatron.engine.base import BuiltExecutor, InferenceEngine
 from tknp_megatron.engine.kv_budget import kv_cache_spec, pool_block_counts
 from tknp_megatron.engine.plan_broadcast import PlanLink
 from tknp_megatron.executor.base import StepOutput
-from tknp_megatron.executor.dense import finish_layer, qkv_projection, vocab_logits
+from tknp_megatron.executor.dense import dense_rows, finish_layer, pad_rows, qkv_projection, vocab_logits
 from tknp_megatron.executor.dense_fusion import DenseFusion, dense_fusion_for
 from tknp_megatron.executor.ingest import Admitter, KVSlice
 from tknp_megatron.executor.owner_attention import OwnerAttention
 from tknp_megatron.executor.rope import Rope
 from tknp_megatron.executor.step_inputs import GraphStep, PaddedStep, padded_step, prepare_inputs
 from tknp_megatron.executor.tknp import draw_tokens
-from tknp_megatron.models.precision import dense_autocast
+from tknp_megatron.models.precision import dense_autocast, row_alignment
 from tknp_megatron.sampling import pack_log_probs, token_log_probs, unpack_log_probs
 from tknp_megatron.kv_cache import PagedKVCache
 from tknp_megatron.plan import Admission, StepPlan, build_plan, next_decode_plan
@@ -69,6 +69,10 @@ class PPExecutor:
         self.admitter = Admitter(kv, kv_slice, device)  # every stage stores every request
         self.local_layer = {layer: i for i, layer in enumerate(model.layer_ids)}
         self.hidden_size = cfg.hidden_size
+        # the stage's hidden state: the step's rows, then zero rows up to a multiple of this
+        # (FP8 GEMMs' alignment, where exact; models/precision.py: row_alignment); only the
+        # step's rows travel between stages
+        self.row_align = row_alignment(cfg)
         self._pending: List = []  # sends of the previous tick still in flight
         self._local: Dict[int, StepOutput] = {}  # one-stage pipeline: step -> its output
         self.graphs = None  # set by enable_cuda_graphs
@@ -202,16 +206,19 @@ class PPExecutor:
 
     def _forward(self, inp, hidden: Optional[torch.Tensor]):
         """The stage's computation over prepared inputs: (stage 0) the embedding, the
-        stage's layers, and (last stage) the logits and tokens."""
+        stage's layers, and (last stage) the logits and tokens; ``hidden`` ``[rows, 1, D]``
+        in, ``[rows, 1, D]`` out (the alignment's zero rows stay on the stage)."""
         inp = self.attend.prepare(inp)  # the attention kernel's schedule, once for every layer
+        rows = inp.shape.num_rows
         if self.stage == 0:
             hidden = self.model.embedding(inp.tokens.unsqueeze(0), position_ids=None)
+        hidden = pad_rows(hidden, self.row_align)  # [dense rows, 1, D]
         for layer in self.model.layer_ids:
             block = self.model.layer(layer)
-            attn = self.attend(self.local_layer[layer], qkv_projection(block, hidden, self.fusion), inp)
-            hidden = finish_layer(block, attn.unsqueeze(1), hidden, self.fusion)
+            attn = self.attend(self.local_layer[layer], qkv_projection(block, hidden, self.fusion)[:rows], inp)
+            hidden = finish_layer(block, pad_rows(attn, self.row_align).unsqueeze(1), hidden, self.fusion)
         if self.stage < self.num_stages - 1:
-            return hidden
+            return hidden[:rows]
         groups = self.groups
         logits = vocab_logits(self.model, hidden, inp.last_rows, groups.tp_group, groups.tp_size, self.vocab)
         return draw_tokens(logits, inp.sampling, inp.shape.all_greedy), logits
@@ -229,7 +236,8 @@ class PPExecutor:
         inp = GraphStep(done.host, max_seq_len)
         buf = None
         if self.stage > 0:
-            buf = torch.zeros(done.padded.num_rows, 1, self.hidden_size, dtype=self.dtype, device=self.device)
+            rows = dense_rows(done.padded.num_rows, self.row_align)  # the zero rows too: nothing pads them per replay
+            buf = torch.zeros(rows, 1, self.hidden_size, dtype=self.dtype, device=self.device)
             if hidden is not None:  # one owner: the real requests are the padded batch's first rows
                 buf[: hidden.shape[0]].copy_(hidden)
         return inp.key, (inp, buf), done.index

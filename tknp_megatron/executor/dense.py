@@ -5,6 +5,12 @@ attention) linear_proj, bias-dropout-add, pre-MLP norm, MLP, bias-dropout-add; a
 final norm + vocab-parallel output layer with the TP all-gather of the logits. With a
 :class:`~tknp_megatron.executor.dense_fusion.DenseFusion` (GPUs) the element-wise steps
 between the GEMMs run as fused kernels on the same modules' parameters.
+
+Where the step pads its dense rows itself (``row_align`` > 1, from
+:func:`~tknp_megatron.models.precision.row_alignment`: FP8 GEMMs' alignment), the hidden
+state carries zero rows after the step's rows from the embedding on (:func:`pad_rows`), the
+attention runs over the step's rows only, and its output is padded back before
+``linear_proj``: every GEMM then finds its rows aligned.
 """
 
 from __future__ import annotations
@@ -16,7 +22,22 @@ import torch.distributed as dist
 
 from tknp_megatron.executor.dense_fusion import DenseFusion
 
-__all__ = ["qkv_projection", "finish_layer", "vocab_logits"]
+__all__ = ["dense_rows", "pad_rows", "qkv_projection", "finish_layer", "vocab_logits"]
+
+
+def dense_rows(rows: int, align: int) -> int:
+    """Rows of the dense batch for a step of ``rows`` rows: ``rows`` rounded up to a multiple
+    of ``align``."""
+    return -(-rows // align) * align
+
+
+def pad_rows(x: torch.Tensor, align: int) -> torch.Tensor:
+    """``[rows, ...]`` -> ``[dense_rows(rows, align), ...]``: zero rows appended (``x`` itself
+    where already aligned)."""
+    pad = dense_rows(x.shape[0], align) - x.shape[0]
+    if not pad:
+        return x
+    return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, pad))
 
 
 def qkv_projection(block, hidden: torch.Tensor, fusion: Optional[DenseFusion] = None) -> torch.Tensor:

@@ -24,7 +24,7 @@ from parallel_state import TokenParallelGroups
 from tknp_megatron.attention import AttentionBackend
 from tknp_megatron.executor.base import StepOutput
 from tknp_megatron.executor.comm import TokenParallelComm
-from tknp_megatron.executor.dense import finish_layer, qkv_projection, vocab_logits
+from tknp_megatron.executor.dense import dense_rows, pad_rows, finish_layer, qkv_projection, vocab_logits
 from tknp_megatron.executor.dense_fusion import DenseFusion
 from tknp_megatron.executor.ingest import Admitter, KVIngest, KVSlice
 from tknp_megatron.executor.owner_attention import OwnerAttention
@@ -179,22 +179,16 @@ class TKNPExecutor:
         self.admitter.apply(admissions)
 
     # ---------------------------------------------------------------- root side
-    def _dense_rows(self, rows: int) -> int:
-        """Rows of the roots' hidden state for a step of ``rows`` rows: ``rows`` and the
-        zero rows that align it (``row_align``)."""
-        return -(-rows // self.row_align) * self.row_align
-
     def _hidden_buffer(self, rows: int) -> torch.Tensor:
-        return torch.empty(self._dense_rows(rows), 1, self.hidden_size, dtype=self.dtype, device=self.device)
+        return torch.empty(dense_rows(rows, self.row_align), 1, self.hidden_size, dtype=self.dtype,
+                           device=self.device)
 
     def _embed(self, inp: StepInputs) -> torch.Tensor:
         """``[rows]`` token ids -> ``[dense rows, 1, D]`` (Megatron's [s, b, h]): the step's
         rows, then zero rows up to the dense alignment. The roots' norms, GEMMs and MLP run
         over every row; the zero rows stay zero (``row_alignment`` says where that holds),
         never reach an owner and are never sampled."""
-        hidden = self.model.embedding(inp.tokens.unsqueeze(0), position_ids=None)
-        pad = self._dense_rows(hidden.shape[0]) - hidden.shape[0]
-        return torch.nn.functional.pad(hidden, (0, 0, 0, 0, 0, pad)) if pad else hidden
+        return pad_rows(self.model.embedding(inp.tokens.unsqueeze(0), position_ids=None), self.row_align)
 
     def _layer(self, layer, root, hidden, inp: StepInputs, timer):
         is_root = self.node == root
@@ -231,9 +225,9 @@ class TKNPExecutor:
         """Every owner's ``[own_rows, W]`` outputs -> ``[dense rows, W]`` in batch order on
         ``root``, zero at the alignment's rows."""
         rows = inp.shape.num_rows
-        pad = self._dense_rows(rows) - rows
+        pad = dense_rows(rows, self.row_align) - rows
         if self.comm.num_nodes == 1:  # the root's own rows, already in batch order
-            return torch.nn.functional.pad(attn, (0, 0, 0, pad)) if pad else attn
+            return pad_rows(attn, self.row_align)
         out = None
         if self.node == root:
             out = (torch.zeros if pad else torch.empty)(rows + pad, attn.shape[1], dtype=self.dtype,

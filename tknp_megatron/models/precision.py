@@ -171,9 +171,10 @@ def row_alignment(config) -> int:
     ``get_align_size_for_quantization``: 16 for the served recipes). Megatron pads each TE
     linear's input with zero rows and unpads its output (:func:`prepare_fp8_inference_`): a
     pad and an unpad kernel around each of a layer's four GEMMs, measured at 1.9 ms of a
-    26 ms full-FP8 Llama-3.1-70B step at two requests. A TKNP step instead pads its hidden
-    state with zero rows once, after the embedding, and keeps them through every layer
-    (``executor/tknp.py``), so those wrappers find each batch aligned and pass it through.
+    26 ms full-FP8 Llama-3.1-70B step at two requests. A step (TKNP, PP, DCP) instead pads
+    its hidden state with zero rows once, after the embedding, and keeps them through every
+    layer (``executor/dense.py: pad_rows``), so those wrappers find each batch aligned and
+    pass it through.
 
     That is exact, the same FP8 scales and tokens as Megatron's padding, only where zero rows
     stay zero through a layer: RMSNorm (a LayerNorm's bias would make them nonzero and enter
