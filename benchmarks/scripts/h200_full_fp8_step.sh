@@ -9,6 +9,8 @@
 # Two runs side by side: the rows of each GEMM padded by Megatron's per-linear wrappers
 # (--megatron-row-padding, full_fp8_step_megatron_pad.*), then the step's own padding of its
 # rows once (the engine's default, full_fp8_step.*; it also checks both give the same tokens).
+# On an H100 (78 GiB) the 80 FP8 layers leave no room for the cache: LAYERS=40 (as run on
+# 2026-12-06, benchmarks/full_fp8_h100x1/row_padding/).
 # Needs megatron-core 0.16.1 and transformer-engine 2.20.2 on PYTHONPATH (../shared/DEVICE.md
 # says how to carry them).
 # Usage: OUT=dir [BATCHES="2 4 16"] [CONTEXTS=8192] [RECIPE=tensorwise] [LAYERS=80] [RUN_TIMEOUT=300]
