@@ -24,7 +24,7 @@ from parallel_state import TokenParallelGroups
 from tknp_megatron.attention import AttentionBackend
 from tknp_megatron.executor.base import StepOutput
 from tknp_megatron.executor.comm import TokenParallelComm
-from tknp_megatron.executor.dense import dense_rows, pad_rows, finish_layer, qkv_projection, vocab_logits
+from tknp_megatron.executor.dense import dense_rows, finish_layer, pad_rows, qkv_projection, vocab_logits
 from tknp_megatron.executor.dense_fusion import DenseFusion
 from tknp_megatron.executor.ingest import Admitter, KVIngest, KVSlice
 from tknp_megatron.executor.owner_attention import OwnerAttention
@@ -224,14 +224,14 @@ class TKNPExecutor:
     def _gather_attention(self, attn: torch.Tensor, root: int, inp: StepInputs) -> Optional[torch.Tensor]:
         """Every owner's ``[own_rows, W]`` outputs -> ``[dense rows, W]`` in batch order on
         ``root``, zero at the alignment's rows."""
-        rows = inp.shape.num_rows
-        pad = dense_rows(rows, self.row_align) - rows
         if self.comm.num_nodes == 1:  # the root's own rows, already in batch order
             return pad_rows(attn, self.row_align)
+        rows = inp.shape.num_rows
+        dense = dense_rows(rows, self.row_align)
         out = None
         if self.node == root:
-            out = (torch.zeros if pad else torch.empty)(rows + pad, attn.shape[1], dtype=self.dtype,
-                                                       device=self.device)
+            out = (torch.zeros if dense > rows else torch.empty)(dense, attn.shape[1], dtype=self.dtype,
+                                                                device=self.device)
         self.comm.gather(attn, root, inp.shape.rows_per_owner, None if out is None else out[:rows])
         return out
 
