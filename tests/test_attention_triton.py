@@ -283,6 +283,9 @@ def test_a_step_plans_its_balanced_splits_once_for_every_layer(monkeypatch):
     assert uniform.prepare(case.meta, CallShape(4, 2, 16, 8, torch.float32)) is case.meta
 
 
+NEW_TOKENS = 4
+
+
 def prepared_engine_worker(rank: int, world: int, backend: str) -> dict:
     """A tiny engine (``world`` TKNP nodes, graphs on the CPU's bucketed path) on the Triton
     kernel with balanced splits at these small lengths (``backend`` "triton"), or on the torch
@@ -304,8 +307,8 @@ def prepared_engine_worker(rank: int, world: int, backend: str) -> dict:
         if backend == "triton":  # slices of 16 tokens, so these short requests balance as long ones do
             engine.executor.attend.backend = get_backend("triton", "cpu", balance=2, min_split_tokens=16,
                                                          block_n=16, balance_min_work=0)
-        prompts = [[1, 2, 3] * 20, [4, 5], [6] * 33, [7, 8, 9, 10] * 9]
-        results = engine.generate(prompts, SamplingParams(max_new_tokens=6))
+        prompts = [[1, 2, 3] * 10, [4, 5], [6] * 17, [7, 8, 9, 10] * 6]
+        results = engine.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS))
         return dict(tokens=[list(r.tokens) for r in results], plans=len(plans),
                     layers=engine.executor.placement.num_layers)
     finally:
@@ -321,10 +324,10 @@ def test_an_engine_step_plans_once_and_keeps_its_tokens(world):
 
     ranks = spawn(prepared_engine_worker, world, ("triton",), timeout_s=240)
     ref = spawn(prepared_engine_worker, world, ("torch",), timeout_s=240)[0]
-    assert ranks[0]["tokens"] == ref["tokens"] and [len(t) for t in ref["tokens"]] == [6] * 4
+    assert ranks[0]["tokens"] == ref["tokens"] and [len(t) for t in ref["tokens"]] == [NEW_TOKENS] * 4
     assert ranks[0]["layers"] > 1
     for r in ranks:  # the decode steps of 1-4 requests per node: at most one plan each
-        assert 0 < r["plans"] <= 6
+        assert 0 < r["plans"] <= NEW_TOKENS
 
 
 def test_decode_balanced_half_and_uniform_callers():
