@@ -13,10 +13,11 @@ write only the rows a shard holds to real KV; the DCP QKV module holds exactly i
 of Megatron's fused weight.
 
 TRITON_INTERPRET=1 is set before anything imports ``triton`` (as in
-``test_attention_triton``), so where ``triton`` is installed the W = 2 end-to-end runs'
-decode steps also take the Triton path, in the interpreter (spawned workers inherit it).
-The W = 4 runs decode through the torch partial attention, which the unit tests prove
-equal to the kernel shard by shard: interpreted, they take three times as long.
+``test_attention_triton``), so where ``triton`` is installed the W = 2 end-to-end runs of
+the eager and the graph-path waves also decode through the Triton kernel, in the interpreter
+(spawned workers inherit it). The other runs decode through the torch partial attention,
+which the unit tests prove equal to the kernel shard by shard: interpreted, the W = 4 runs
+take three times as long, and W = 2's sampled and aligned runs add a minute to the suite.
 """
 
 from __future__ import annotations
@@ -347,7 +348,8 @@ def dcp_reference():
     return spawn(reference_worker, 1, (CASES, SCENARIOS, SEED), timeout_s=300)[0]
 
 
-TRITON_WORLDS = (2,)  # the end-to-end worlds whose decode steps run the Triton kernel
+TRITON_WORLDS = (2,)  # the end-to-end worlds whose decode steps run the Triton kernel ...
+TRITON_SCENARIOS = ("waves", "graph-path")  # ... in these scenarios
 
 
 @contextlib.contextmanager
@@ -369,11 +371,16 @@ def _interpreter(on: bool):
 def dcp():
     out = {}
     for world in sorted({c.world for c in CASES}):
-        with _interpreter(world in TRITON_WORLDS):
-            rank_outs = spawn(dcp_worker, world, (CASES, SCENARIOS, SEED), timeout_s=300)
-        for rank_out in rank_outs:
-            for key, value in rank_out.items():
-                out.setdefault(key, []).append(value)  # per rank, in rank order
+        for interpreted in ((True, False) if world in TRITON_WORLDS else (False,)):
+            scenarios = [s for s in SCENARIOS if world not in TRITON_WORLDS or (s.name in TRITON_SCENARIOS) == interpreted]
+            with _interpreter(interpreted):
+                rank_outs = spawn(dcp_worker, world, (CASES, scenarios, SEED), timeout_s=300)
+            pool = {}
+            for rank_out in rank_outs:
+                for key, value in rank_out.items():
+                    pool.setdefault(key, []).append(value)  # per rank, in rank order
+            for key, values in pool.items():  # the model's own keys (its weights) from the first pool
+                out.setdefault(key, values)
     return out
 
 
@@ -391,10 +398,10 @@ def test_matches_reference(dcp, dcp_reference, case, scenario):
 @pytest.mark.parametrize("case,scenario", CASE_SCENARIOS,
                          ids=[f"{c.name}-{s.name}" for c, s in CASE_SCENARIOS])
 def test_decode_kernel_is_the_one_asked_for(dcp, case, scenario):
-    """W = 2's decode steps ran the Triton kernel where ``triton`` is installed; W = 4's
-    the torch partial attention."""
+    """W = 2's decode steps in the Triton scenarios ran the Triton kernel where ``triton`` is
+    installed; the others the torch partial attention."""
     triton_importable = importlib.util.find_spec("triton") is not None
-    expected = case.world in TRITON_WORLDS and triton_importable
+    expected = case.world in TRITON_WORLDS and scenario.name in TRITON_SCENARIOS and triton_importable
     assert dcp[(case.name, scenario.name, "triton")] == [expected] * case.world
 
 

@@ -7,7 +7,7 @@ only the file is used). ``transformers`` dequantises it to an ordinary fp32 Llam
 what a user would hand the main job. Trained weights have no near-tied logits, so greedy
 tokens are a sharp check: the main job's tokens must equal ``transformers``' own greedy
 generation, through ``--hf`` on 2 nodes and through a converted checkpoint on one node of
-TP 3.
+TP 3; the TP 3 run is also checked against Megatron's ``GPTModel`` on the same weights.
 """
 
 from __future__ import annotations
@@ -66,12 +66,13 @@ def _prompt_flags():
 
 
 def test_hf_folder_on_two_nodes(smollm2, tmp_path):
+    """The tokens are ``transformers``' own; Megatron's ``GPTModel`` reference (a third of the
+    job's time here) is checked on the same weights by the TP 3 test below."""
     folder, expected, tokenizer = smollm2
     report = _job(tmp_path / "out.json", "--hf", folder, "--tokenizer", folder, "--nodes", 2,
-                  "--tp", 1, *_prompt_flags())
+                  "--tp", 1, "--no-reference", *_prompt_flags())
     assert report["outputs"] == expected
     assert report["texts"] == [tokenizer.decode(e) for e in expected]
-    assert report["match_reference"] is True
     assert report["texts"][1].startswith(" Paris")  # a trained model, not noise
 
 
