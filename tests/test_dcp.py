@@ -372,7 +372,8 @@ def dcp():
     out = {}
     for world in sorted({c.world for c in CASES}):
         for interpreted in ((True, False) if world in TRITON_WORLDS else (False,)):
-            scenarios = [s for s in SCENARIOS if world not in TRITON_WORLDS or (s.name in TRITON_SCENARIOS) == interpreted]
+            scenarios = [s for s in SCENARIOS
+                         if world not in TRITON_WORLDS or (s.name in TRITON_SCENARIOS) == interpreted]
             with _interpreter(interpreted):
                 rank_outs = spawn(dcp_worker, world, (CASES, scenarios, SEED), timeout_s=300)
             pool = {}
