@@ -555,10 +555,8 @@ def test_kernel_split_summarizes_a_kernel_profile():
     assert "_paged_attn" in out and "_combine_splits" in out and "_split_plan" in out and "FlashAttnFwdSm90" in out
 
 
-def test_tma_probe_runs_under_the_interpreter(tmp_path):
-    """benchmarks/scripts/tma_probe.py (the TMA-loaded decode kernel tried against this
-    kernel, "K/V pages loaded by TMA" in benchmarks/RESULTS.md) still builds on the production
-    split plan: on CPU under Triton's interpreter every variant matches torch's reference."""
+def _probe_dry_run(script: str, tmp_path, timeout_s: float):
+    """``benchmarks/scripts/<script>.py --dry-run`` on CPU: the rows of its ``<script>.json``."""
     import json
     import os
     import subprocess
@@ -567,10 +565,17 @@ def test_tma_probe_runs_under_the_interpreter(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=str(root))
-    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "scripts" / "tma_probe.py"), "--dry-run"],
-                          capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "scripts" / f"{script}.py"), "--dry-run"],
+                          capture_output=True, text=True, timeout=timeout_s, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = json.loads((tmp_path / "tma_probe.json").read_text())
+    return json.loads((tmp_path / f"{script}.json").read_text())
+
+
+def test_tma_probe_runs_under_the_interpreter(tmp_path):
+    """benchmarks/scripts/tma_probe.py (the TMA-loaded decode kernel tried against this
+    kernel, "K/V pages loaded by TMA" in benchmarks/RESULTS.md) still builds on the production
+    split plan: on CPU under Triton's interpreter every variant matches torch's reference."""
+    rows = _probe_dry_run("tma_probe", tmp_path, 300)
     assert len(rows) == 2
     for row in rows:
         assert not [k for k in row if k.endswith("_status")], row
@@ -581,19 +586,8 @@ def test_tma_probe_runs_under_the_interpreter(tmp_path):
 
 def test_flashinfer_probe_gives_flashinfer_every_requests_pages(tmp_path):
     """benchmarks/scripts/flashinfer_probe.py (FlashInfer's and cuDNN's paged decode timed against
-    this kernel, "FlashInfer and cuDNN over the engine's pages" in benchmarks/RESULTS.md) hands
-    FlashInfer page lists built from the engine's block table: on CPU, each request's tokens read
-    through them equal its tokens read through the block table."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=str(root))
-    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "scripts" / "flashinfer_probe.py"), "--dry-run"],
-                          capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = json.loads((tmp_path / "flashinfer_probe.json").read_text())
+    this kernel, "FlashInfer over the engine's pages" in benchmarks/RESULTS.md) hands FlashInfer
+    page lists built from the engine's block table: on CPU, each request's tokens read through
+    them equal its tokens read through the block table."""
+    rows = _probe_dry_run("flashinfer_probe", tmp_path, 120)
     assert [r["pages"] for r in rows] == [10, 16] and all(r["max_err"] == 0 for r in rows), rows

@@ -128,6 +128,7 @@ def warm(variant: str, hq: int, hkv: int, d: int) -> None:
     import flashinfer as fi
 
     from tknp_megatron.attention import get_backend
+    from tknp_megatron.tools import bench_attention as ba
 
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
     for batch, ctx in ((2, 100), (32, 8192)):
@@ -137,18 +138,11 @@ def warm(variant: str, hq: int, hkv: int, d: int) -> None:
         ref = get_backend("torch")(*case.args())
         eager = call(case.q)
         torch.cuda.synchronize()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            call(case.q)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            replayed = call(case.q)
+        (graph,), (replayed,) = ba.capture_graphs(torch, [lambda: call(case.q)])
         graph.replay()
         torch.cuda.synchronize()
         for out in (eager, replayed):
-            err = float((out.float() - ref.float()).norm() / ref.float().norm())
+            err = ba.rel_err(out, ref)
             print(f"B={batch} ctx={ctx} rel_err {err:.2e}", flush=True)
             if not err < 1e-2:
                 sys.exit(3)
