@@ -9,6 +9,8 @@ partial RoPE). This also checks that HF's q/k rows need no permutation.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -91,3 +93,32 @@ def test_hf_config_unsupported_field(field, value):
 
     with pytest.raises(ValueError, match=field):
         preset_from_hf_config({**_NEMOTRON, field: value})
+
+
+_LLAMA = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "intermediate_size": 160, "vocab_size": 256}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"hidden_act": "gelu_pytorch_tanh"}, "llama hidden_act 'gelu_pytorch_tanh' unsupported (silu, swish, gelu)"),
+    ({"rope_theta": 20.9}, "llama rope_theta 20.9: must be a positive whole number"),
+    ({"intermediate_size": None}, "config.json intermediate_size None: must be a positive integer"),
+    ({"num_attention_heads": "4"}, "config.json num_attention_heads '4': must be a positive integer"),
+    ({"head_dim": 15}, "RoPE rotates 15 of the 15 channels of a head"),
+], ids=["tanh_gelu", "fractional_theta", "null_key", "string_heads", "odd_head_dim"])
+def test_hf_llama_config_refused_by_name(change, message):
+    from tknp_megatron.models.hf_convert import preset_from_hf_config
+
+    assert preset_from_hf_config(_LLAMA).activation.value == "silu"
+    assert preset_from_hf_config({**_LLAMA, "hidden_act": "gelu"}).activation.value == "gelu"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        preset_from_hf_config({**_LLAMA, **change})
+
+
+def test_hf_config_lacking_a_key_says_so():
+    from tknp_megatron.models.hf_convert import preset_from_hf_config
+
+    cfg = {k: v for k, v in _LLAMA.items() if k != "intermediate_size"}
+    with pytest.raises(ValueError, match=re.escape("config.json lacks required keys ['intermediate_size']")):
+        preset_from_hf_config(cfg)
+

@@ -18,6 +18,17 @@ ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "examples" / "run_tknp_decode.py"
 
 
+SMALL = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
+         "vocab_size": 64, "max_sequence_length": 64, "normalization": "RMSNorm"}
+# model configs with a value of the wrong type, sign or shape: each refused by name
+BAD_CONFIGS = {
+    "strlayers": {"num_layers": "2"}, "floatlayers": {"num_layers": 2.0}, "noheads": {"num_attention_heads": 0},
+    "negffn": {"ffn_hidden_size": -128}, "strbool": {"add_bias_linear": "false"},
+    "oddhead": {"kv_channels": 15}, "fracbase": {"rotary_base": 20.9},
+    "clamp": {"activation_func_clamp_value": 0.001},
+}
+
+
 def _files(tmp: Path) -> dict:
     """Named bad files for the table."""
     out = {}
@@ -29,6 +40,7 @@ def _files(tmp: Path) -> dict:
                                  "hiden_size": 3, "vocab_sise": 4}),
         "moe": json.dumps({"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
                            "vocab_size": 64, "max_sequence_length": 64, "num_moe_experts": 8}),
+        **{name: json.dumps({**SMALL, **change}) for name, change in BAD_CONFIGS.items()},
     }.items():
         path = tmp / f"{name}.json"
         path.write_text(text)
@@ -64,6 +76,14 @@ BAD = [
     (["--model-config", "{missing}"], "--model-config {missing}: no such file"),
     (["--model-config", "{badconfig}"], "['hiden_size', 'vocab_sise']"),
     (["--model-config", "{moe}"], "mixture of experts (num_moe_experts=8)"),
+    (["--model-config", "{strlayers}"], "num_layers '2': must be a positive integer"),
+    (["--model-config", "{floatlayers}"], "num_layers 2.0: must be a positive integer"),
+    (["--model-config", "{noheads}"], "num_attention_heads 0: must be a positive integer"),
+    (["--model-config", "{negffn}"], "ffn_hidden_size -128: must be a positive integer"),
+    (["--model-config", "{strbool}"], "add_bias_linear 'false': must be true or false"),
+    (["--model-config", "{oddhead}"], "RoPE rotates 15 of the 15 channels of a head"),
+    (["--model-config", "{fracbase}"], "rotary_base 20.9: must be a whole number"),
+    (["--model-config", "{clamp}"], "an activation clamp (activation_func_clamp_value=0.001)"),
     (["--hf", "{nothf}"], "not a Hugging Face model folder (no config.json)"),
     (["--load", "{missing}"], "no such directory"),
     (["--tokenizer", "{nothf}"], "not a tokenizer folder"),

@@ -144,8 +144,9 @@ def _hf_family(folder, family: str, tied: bool):
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
         "mistral": ("MistralConfig", "MistralForCausalLM"),
         "llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "llama-gelu": ("LlamaConfig", "LlamaForCausalLM"),
     }[family]
-    extra = {"sliding_window": 4096} if family == "mistral" else {}
+    extra = {"mistral": {"sliding_window": 4096}, "llama-gelu": {"hidden_act": "gelu"}}.get(family, {})
     cfg = getattr(transformers, config_cls)(
         hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=256, max_position_embeddings=8192, rms_norm_eps=1e-5,
@@ -161,10 +162,10 @@ def _hf_family(folder, family: str, tied: bool):
 
 
 @pytest.mark.parametrize("family, tied", [("qwen2", True), ("qwen2", False), ("mistral", False),
-                                          ("llama", True)])
+                                          ("llama", True), ("llama-gelu", False)])
 def test_hf_families_match_transformers(tmp_path, family, tied):
-    """Converted Qwen2 (q/k/v biases), Mistral and tied-embedding models give
-    ``transformers``' own fp32 logits through Megatron's GPTModel."""
+    """Converted Qwen2 (q/k/v biases), Mistral, tied-embedding and GeGLU (``hidden_act``
+    gelu) models give ``transformers``' own fp32 logits through Megatron's GPTModel."""
     pytest.importorskip("transformers")
     hf_dir, out_dir = tmp_path / "hf", tmp_path / "mcore"
     ids, expected = _hf_family(hf_dir, family, tied)

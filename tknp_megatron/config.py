@@ -75,6 +75,12 @@ class GPTArgs:
     rope_scaling_factor: float = 8.0
     share_embeddings_and_output_weights: bool = False
 
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "max_sequence_length"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} {value!r}: must be a positive integer")
+
 
 @dataclass(frozen=True)
 class ModelPreset:
@@ -118,6 +124,15 @@ class ModelPreset:
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+                     "ffn_hidden_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{self.name}: {name} {value!r}: must be a positive integer")
+        if self.gpt.position_embedding_type == "rope" and (self.rotary_dim < 2 or self.rotary_dim % 2):
+            raise ValueError(f"{self.name}: RoPE rotates {self.rotary_dim} of the {self.kv_channels} "
+                             f"channels of a head (kv_channels x rotary_percent {self.gpt.rotary_percent}): "
+                             "must be even and > 0")
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(
                 f"{self.name}: {self.num_attention_heads} heads not divisible by "
@@ -129,6 +144,13 @@ class ModelPreset:
     @property
     def vocab_size(self) -> int:
         return self.gpt.vocab_size
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of a head RoPE rotates, as Megatron's ``RotaryEmbedding`` counts them:
+        ``int(kv_channels * rotary_percent)`` where the percent is below 1."""
+        percent = self.gpt.rotary_percent
+        return int(self.kv_channels * percent) if percent < 1.0 else self.kv_channels
 
     @property
     def qkv_width(self) -> int:

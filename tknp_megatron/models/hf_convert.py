@@ -110,10 +110,15 @@ def preset_from_hf_config(cfg: Dict, name: str = "hf") -> ModelPreset:
     raise ValueError(f"model_type {model_type!r} unsupported (one of {SUPPORTED_MODEL_TYPES})")
 
 
+_LLAMA_REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+_LLAMA_ACTIVATIONS = {"silu": Activation.SILU, "swish": Activation.SILU, "gelu": Activation.GELU}
+"""``hidden_act`` -> the gated MLP's activation: SwiGLU, or GeGLU with the exact GELU
+(``transformers``' ``gelu``; its tanh approximations are other functions)."""
+
+
 def _llama_preset(cfg: Dict, name: str, model_type: str = "llama") -> ModelPreset:
     """Llama, Mistral (Llama's layers; a sliding window caps the served length, within which
     attention is exact) and Qwen2 (Llama's layers plus q/k/v biases)."""
-    heads = cfg["num_attention_heads"]
     scaling = cfg.get("rope_scaling") or (cfg.get("rope_parameters") or {})
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in ("default", "llama3"):
@@ -122,11 +127,23 @@ def _llama_preset(cfg: Dict, name: str, model_type: str = "llama") -> ModelPrese
     if llama3 and (scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0),
                    scaling.get("original_max_position_embeddings", 8192)) != (1.0, 4.0, 8192):
         raise ValueError(f"llama3 rope_scaling {scaling}: Megatron fixes 1/4/8192")
-    theta = cfg.get("rope_theta", scaling.get("rope_theta", 10000.0))
+    theta = _whole_rope_theta(cfg.get("rope_theta", scaling.get("rope_theta", 10000.0)), model_type)
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
         raise ValueError("attention_bias / mlp_bias not supported")
     if cfg.get("use_sliding_window"):
         raise ValueError(f"{model_type} use_sliding_window=True unsupported (full attention only)")
+    missing = [key for key in _LLAMA_REQUIRED if key not in cfg]
+    if missing:
+        raise ValueError(f"config.json lacks required keys {missing} (model_type {model_type!r})")
+    for key in (*_LLAMA_REQUIRED, "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window"):
+        value = cfg.get(key)
+        if (value is not None or key in _LLAMA_REQUIRED) and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"config.json {key} {value!r}: must be a positive integer")
+    act = cfg.get("hidden_act", "silu")
+    if act not in _LLAMA_ACTIVATIONS:
+        raise ValueError(f"{model_type} hidden_act {act!r} unsupported ({', '.join(_LLAMA_ACTIVATIONS)})")
+    heads = cfg["num_attention_heads"]
     max_len = cfg.get("max_position_embeddings", 4096)
     if model_type == "mistral" and cfg.get("sliding_window"):
         max_len = min(max_len, int(cfg["sliding_window"]))
@@ -139,14 +156,14 @@ def _llama_preset(cfg: Dict, name: str, model_type: str = "llama") -> ModelPrese
         kv_channels=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         ffn_hidden_size=cfg["intermediate_size"],
         gated=True,
-        activation=Activation.SILU,
+        activation=_LLAMA_ACTIVATIONS[act],
         normalization="RMSNorm",
         layernorm_epsilon=cfg.get("rms_norm_eps", 1e-6),
         add_qkv_bias=model_type == "qwen2",
         gpt=GPTArgs(
             vocab_size=cfg["vocab_size"],
             max_sequence_length=max_len,
-            rotary_base=int(theta),
+            rotary_base=theta,
             rope_scaling=llama3,
             rope_scaling_factor=float(scaling.get("factor", 8.0)) if llama3 else 8.0,
             share_embeddings_and_output_weights=False,
@@ -169,9 +186,7 @@ def _nemotron_preset(cfg: Dict, name: str) -> ModelPreset:
             raise ValueError(f"nemotron {field} {rope!r} unsupported (default RoPE only)")
     params = cfg.get("rope_parameters") or {}
     factor = float(cfg.get("partial_rotary_factor", params.get("partial_rotary_factor", 0.5)))
-    theta = float(cfg.get("rope_theta", params.get("rope_theta", 10000.0)))
-    if theta != int(theta):
-        raise ValueError(f"nemotron rope_theta {theta} must be an integer (Megatron rotary_base)")
+    theta = _whole_rope_theta(cfg.get("rope_theta", params.get("rope_theta", 10000.0)), "nemotron")
     heads = cfg.get("num_attention_heads", 48)
     hidden = cfg.get("hidden_size", 6144)
     head_dim = cfg.get("head_dim") or hidden // heads
@@ -197,10 +212,19 @@ def _nemotron_preset(cfg: Dict, name: str) -> ModelPreset:
             vocab_size=cfg.get("vocab_size", 256000),
             max_sequence_length=cfg.get("max_position_embeddings", 4096),
             rotary_percent=factor,
-            rotary_base=int(theta),
+            rotary_base=theta,
             share_embeddings_and_output_weights=False,
         ),
     )
+
+
+def _whole_rope_theta(theta, model_type: str) -> int:
+    """``rope_theta`` as Megatron's ``rotary_base``, an int; ``ValueError`` for a fraction."""
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < float("inf") \
+            or theta != int(theta):
+        raise ValueError(f"{model_type} rope_theta {theta!r}: must be a positive whole number "
+                         "(Megatron's rotary_base is an int)")
+    return int(theta)
 
 
 def _read_safetensors(folder: Path) -> Dict[str, torch.Tensor]:

@@ -55,6 +55,8 @@ _UNSUPPORTED: Tuple[Tuple[str, str, str, Any], ...] = (
     ("a GLU linear offset", "glu_linear_offset", "glu_linear_offset", 0.0),
     ("RoPE sequence interpolation", "seq_len_interpolation_factor",
      "rotary_seq_len_interpolation_factor", None),
+    ("an activation clamp", "activation_func_clamp_value", "activation_func_clamp_value", None),
+    ("hybrid (Mamba) layers", "is_hybrid_model", "is_hybrid_model", False),
 )
 
 # --model-config keys that map onto the preset, with Megatron's defaults.
@@ -81,6 +83,11 @@ _DEFAULTS: Dict[str, Any] = {
     "name": "model-config",
 }
 _REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_sequence_length")
+# The type each key that maps onto the preset must have in the JSON (optional ones may be null).
+_POSITIVE_INTS = (*_REQUIRED, "num_query_groups", "kv_channels", "ffn_hidden_size")
+_BOOLS = ("gated_linear_unit", "add_bias_linear", "add_qkv_bias", "layernorm_zero_centered_gamma",
+          "rope_scaling", "share_embeddings_and_output_weights")
+_POSITIVE_NUMBERS = ("layernorm_epsilon", "rotary_percent", "rotary_base", "rope_scaling_factor")
 _ALIASES = {"squared_relu": "squared_relu", "relu2": "squared_relu", "silu": "silu", "swish": "silu",
             "gelu": "gelu"}
 
@@ -127,6 +134,31 @@ def _activation(c: Mapping[str, Any]) -> Activation:
     return Activation(_ALIASES[leaf])
 
 
+def _type_problem(c: Mapping[str, Any]) -> Optional[str]:
+    """The first key whose value has the wrong type or sign, as ``"<key> <value>: <rule>"``:
+    JSON numbers and booleans as Megatron's fields take them (``"2"`` is not 2, ``"false"``
+    is not false); ``rotary_base`` a whole number, as Megatron's argument is."""
+    for key in _POSITIVE_INTS:
+        value = c.get(key)
+        if value is None and key not in _REQUIRED:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return f"{key} {value!r}: must be a positive integer"
+    for key in _BOOLS:
+        if not isinstance(c[key], bool):
+            return f"{key} {c[key]!r}: must be true or false"
+    for key in _POSITIVE_NUMBERS:
+        value = c[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            return f"{key} {value!r}: must be a positive number"
+    if c["rotary_base"] != int(c["rotary_base"]):
+        return f"rotary_base {c['rotary_base']!r}: must be a whole number (Megatron's rotary_base is an int)"
+    std = c["init_method_std"]
+    if isinstance(std, bool) or not isinstance(std, (int, float)) or not 0 <= std < float("inf"):
+        return f"init_method_std {std!r}: must be a number >= 0"
+    return None
+
+
 def preset_from_model_config(cfg: Mapping[str, Any]) -> ModelPreset:
     """A preset from a ``--model-config`` JSON object (see the module docstring).
 
@@ -134,8 +166,8 @@ def preset_from_model_config(cfg: Mapping[str, Any]) -> ModelPreset:
     ``max_sequence_length``. Omitted keys take Megatron's defaults (LayerNorm, GELU, biases
     on, not gated), except untied embeddings. ``activation`` (``silu``, ``gelu``,
     ``squared_relu``) or ``activation_func`` name the MLP activation; ``gated_linear_unit``
-    with SiLU is SwiGLU. Raises ``ValueError`` naming unknown keys, missing keys and
-    unsupported features.
+    with SiLU is SwiGLU. Raises ``ValueError`` naming unknown keys, missing keys, values of
+    the wrong type or sign, and unsupported features.
     """
     known = set(_DEFAULTS) | set(_REQUIRED) | megatron_config_keys()
     unknown = sorted(set(cfg) - known)
@@ -147,6 +179,9 @@ def preset_from_model_config(cfg: Mapping[str, Any]) -> ModelPreset:
         raise ValueError(f"model-config lacks required keys: {missing}")
     _refuse("model-config", unsupported_features(cfg.get))
     c = {**_DEFAULTS, **cfg}
+    problem = _type_problem(c)
+    if problem:
+        raise ValueError(f"model-config: {problem}")
     if c["position_embedding_type"] != "rope":
         raise ValueError(f"model-config: position_embedding_type {c['position_embedding_type']!r} "
                          "unsupported (owners apply RoPE: 'rope' only)")
@@ -173,7 +208,7 @@ def preset_from_model_config(cfg: Mapping[str, Any]) -> ModelPreset:
             max_sequence_length=c["max_sequence_length"],
             position_embedding_type=c["position_embedding_type"],
             rotary_percent=float(c["rotary_percent"]),
-            rotary_base=int(c["rotary_base"]),
+            rotary_base=int(c["rotary_base"]),  # a whole number (_type_problem)
             rope_scaling=bool(c["rope_scaling"]),
             rope_scaling_factor=float(c["rope_scaling_factor"]),
             share_embeddings_and_output_weights=bool(c["share_embeddings_and_output_weights"]),

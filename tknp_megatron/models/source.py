@@ -81,7 +81,7 @@ def _checkpoint_preset(ckpt: str) -> ModelPreset:
 
 
 def _hf_preset(folder: str) -> ModelPreset:
-    from tknp_megatron.models.hf_convert import SUPPORTED_MODEL_TYPES, preset_from_hf_config
+    from tknp_megatron.models.hf_convert import preset_from_hf_config
 
     path = Path(folder)
     if not path.is_dir():
@@ -93,9 +93,14 @@ def _hf_preset(folder: str) -> ModelPreset:
         raise SourceError(f"--hf {folder}: no *.safetensors weights")
     try:
         cfg = json.loads(config.read_text())
+    except ValueError as err:
+        raise SourceError(f"--hf {folder}: config.json is not JSON ({err})") from None
+    if not isinstance(cfg, dict):
+        raise SourceError(f"--hf {folder}: config.json holds a {type(cfg).__name__}, not a JSON object")
+    try:
         return preset_from_hf_config(cfg, name=path.name or "hf")
-    except (ValueError, KeyError) as err:
-        raise SourceError(f"--hf {folder}: {err} (model types: {', '.join(SUPPORTED_MODEL_TYPES)})") from None
+    except (ValueError, KeyError, TypeError) as err:
+        raise SourceError(f"--hf {folder}: {err}") from None
 
 
 def _checkpoint_rows(ckpt: str, preset: ModelPreset) -> int:
