@@ -272,6 +272,24 @@ def test_stop_words_end_a_request_where_megatrons_engine_would(server, served):
     assert len(record["generated_log_probs"] or []) == len(cut)
 
 
+def test_values_megatrons_client_sends_unchecked_fail_that_request_only(server, served):
+    """Megatron's ``InferenceClient`` sends its ``SamplingParams`` as they are: a top-k beyond
+    64 bits, or a stop word that is not text, ends that request FAILED; the pool serves on."""
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    bad = [SamplingParams(temperature=1.0, top_k=2**63, num_tokens_to_generate=4),
+           SamplingParams(temperature=1.0, top_k=1, num_tokens_to_generate=4, stop_words=[5])]
+    good = SamplingParams(temperature=1.0, top_k=1, num_tokens_to_generate=MAX_TOKENS, termination_id=EOD)
+
+    async def use(client):
+        replies = [await asyncio.wait_for(client.add_request(served["prompts"][0], p), 60) for p in bad]
+        return replies, await asyncio.wait_for(client.add_request(served["prompts"][5], good), 120)
+
+    replies, after = _with_megatron_client(server, use)
+    assert [_as_dict(r)["status"] for r in replies] == ["FAILED", "FAILED"]
+    assert list(_as_dict(after)["generated_tokens"]) == list(served["offline"][5])
+
+
 def test_pause_holds_requests_until_unpause(server, served):
     """Megatron's PAUSE (through its coordinator, to both pools): a request submitted while
     paused waits; after UNPAUSE it completes with the offline tokens."""
@@ -298,7 +316,17 @@ def test_pause_holds_requests_until_unpause(server, served):
     (dict(prompt=" ".join(["7"] * 1100), max_tokens=4), ("exceeds max_sequence_length 1024",)),
     (dict(prompt="1 2 3", max_tokens=4, temperature=-1), ("temperature -1.0: must be finite and >= 0",)),
     ("{not json", ("not a JSON object", "Invalid or missing JSON body")),
-], ids=["empty", "vocab", "max_tokens_0", "too_long", "negative_temperature", "malformed_json"])
+    (dict(prompt="1 2 3", max_tokens=4, temperature=0, logprobs=513),
+     ("top_n_logprobs 513 exceeds the vocabulary (512 tokens)",)),
+    (dict(prompt="1 9223372036854775808", max_tokens=4),
+     ("token id 9223372036854775808 outside the vocabulary [0, 512)",)),
+    (dict(prompt="1 2 3", max_tokens=4, temperature=1, top_k=2**63),
+     ("'top_k' 9223372036854775808: outside the 64-bit integer range",)),
+    (dict(prompt="1 2 3", max_tokens=1e20), ("'max_tokens' 1e+20: outside the 64-bit integer range",)),
+    (dict(prompt=5, max_tokens=4), ("'prompt' 5: expected text or a list, got int",)),
+    (dict(prompt="1 2 3", max_tokens=None), ("'max_tokens' is null",)),
+], ids=["empty", "vocab", "max_tokens_0", "too_long", "negative_temperature", "malformed_json", "logprobs_vocab",
+        "id_64_bits", "top_k_64_bits", "max_tokens_64_bits", "prompt_int", "max_tokens_null"])
 def test_bad_input_is_answered_with_the_problem_and_the_server_keeps_serving(server, served, body, messages):
     """An error status and the problem in the body (megatron-core 0.16's endpoint answers a
     refused request 500, 0.17 and later 400; the message is ours either way, and Megatron's

@@ -89,10 +89,10 @@ class SamplingParams:
             out.append(f"temperature must be finite and >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             out.append(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            out.append(f"top_k must be >= 0, got {self.top_k}")
-        if self.eos_id is not None and self.eos_id < 0:
-            out.append(f"eos_id must be None or >= 0, got {self.eos_id}")
+        if not 0 <= self.top_k <= _INT64_MAX:
+            out.append(f"top_k must be in [0, 2**63), got {self.top_k}")
+        if self.eos_id is not None and not 0 <= self.eos_id <= _INT64_MAX:
+            out.append(f"eos_id must be None or in [0, 2**63), got {self.eos_id}")
         if not (_INT64_MIN <= self.seed <= _INT64_MAX):
             out.append(f"seed must fit in int64, got {self.seed}")
         if self.top_n_logprobs < 0:

@@ -191,8 +191,8 @@ class InferenceEngine(abc.ABC):
         params = sampling_params or SamplingParams()
         timeline = RequestTimeline(release=self.clock() if arrival_time is None else arrival_time)
         req = Request(rid, [int(t) for t in prompt_tokens], params, timeline, kv, synthetic_kv)
+        reason = self._problem(req)  # before the request is recorded: should it raise, none is
         self.requests[rid] = req
-        reason = self._problem(req)
         if reason is not None:
             req.reject(reason)
         else:

@@ -32,14 +32,18 @@ def request_problem(req: Request, preset: ModelPreset, max_fit_tokens: int,
     max_len = preset.gpt.max_sequence_length if max_len is None else max_len
     if not prompt:
         return f"request {rid}: empty prompt"
-    ids = torch.as_tensor(prompt, dtype=torch.int64)
-    outside = (ids < 0) | (ids >= vocab)
-    if bool(outside.any()):
-        bad = int(ids[outside][0])
+    try:
+        ids = torch.as_tensor(prompt, dtype=torch.int64)
+    except (OverflowError, RuntimeError, ValueError):  # an id beyond 64 bits
+        ids = None
+    if ids is None or bool(((ids < 0) | (ids >= vocab)).any()):
+        bad = next(t for t in prompt if not 0 <= t < vocab)
         return f"request {rid}: token id {bad} outside the vocabulary [0, {vocab})"
     problems = p.problems()
     if problems:
         return f"request {rid}: " + "; ".join(problems)
+    if p.top_n_logprobs > vocab:
+        return f"request {rid}: top_n_logprobs {p.top_n_logprobs} exceeds the vocabulary ({vocab} tokens)"
     if req.reserved_tokens > max_len:
         return (
             f"request {rid}: prompt {len(prompt)} + max_new_tokens {p.max_new_tokens} = "

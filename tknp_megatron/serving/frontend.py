@@ -244,12 +244,14 @@ class _FailedAsError:
         future = asyncio.get_running_loop().create_future()
         with self._lock:
             request_id = client.next_request_id
+            # packed before anything is recorded: a value msgpack cannot carry raises here
+            # and leaves no entry that no reply would ever clear
+            message = msgpack.packb([Headers.SUBMIT_REQUEST.value, request_id, prompt,
+                                     sampling_params.serialize()], use_bin_type=True)
             client.next_request_id += 1
             client.completion_futures[request_id] = future
             client.request_submission_times[request_id] = time.perf_counter()
-            client.socket.send(msgpack.packb(
-                [Headers.SUBMIT_REQUEST.value, request_id, prompt, sampling_params.serialize()],
-                use_bin_type=True))
+            client.socket.send(message)
         return _raise_if_failed(future)
 
     def __getattr__(self, name):
@@ -268,16 +270,46 @@ async def _raise_if_failed(future):
     return record
 
 
+_NUMBER_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "n", "logprobs", "top_logprobs", "seed")
+"""The numeric fields Megatron's completion endpoints convert with ``int()`` / ``float()``."""
+
+_INTEGER_FIELDS = ("max_tokens", "top_k", "n", "logprobs", "top_logprobs", "seed")
+
+_INT64 = 2**63
+
+
 def _body_problem(method: str, body) -> Optional[tuple]:
-    """400 for a POST body that is not a JSON object or has an empty prompt (Megatron's
-    endpoints answer those with a generic page or "Missing 'prompt' field")."""
+    """400, naming the field and the value, for a POST body Megatron's endpoints would answer
+    with a bare 500 or a generic page, or whose values the request cannot carry to the
+    pools: not a JSON object; a prompt (or chat messages) empty or neither text nor a list;
+    a numeric field that is null; an integer beyond 64 bits (msgpack's and the engine's
+    limit), in a numeric field or among a prompt's token ids."""
     if method != "POST":
         return None
     if not isinstance(body, dict):
         return "request body is not a JSON object", 400
-    prompt = body.get("prompt", body.get("messages"))
-    if prompt is not None and len(prompt) == 0:
-        return "'prompt' is empty", 400
+    key = "prompt" if "prompt" in body else "messages"
+    prompt = body.get(key)
+    if prompt is not None:
+        if not isinstance(prompt, (str, list)):
+            return f"'{key}' {prompt!r}: expected text or a list, got {type(prompt).__name__}", 400
+        if len(prompt) == 0:
+            return f"'{key}' is empty", 400
+        if isinstance(prompt, list):  # token ids, or lists of them (a batch of prompts)
+            ids = [t for item in prompt for t in (item if isinstance(item, list) else [item])
+                   if isinstance(t, int) and not isinstance(t, bool)]
+            huge = next((t for t in ids if not -_INT64 <= t < _INT64), None)
+            if huge is not None:
+                return f"'{key}': token id {huge} is outside the 64-bit integer range", 400
+    for field in _NUMBER_FIELDS:
+        if field not in body:
+            continue
+        value = body[field]
+        if value is None:
+            return f"'{field}' is null: give a number or leave the field out", 400
+        if (field in _INTEGER_FIELDS and isinstance(value, (int, float)) and not isinstance(value, bool)
+                and not -_INT64 <= value < _INT64):
+            return f"'{field}' {value}: outside the 64-bit integer range", 400
     return None
 
 

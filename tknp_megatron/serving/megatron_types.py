@@ -119,13 +119,16 @@ def to_engine_request(
     if top_k < 0:
         raise RequestRefused(f"top_k {top_k}: must be >= 0 (0 is off)")
     greedy = top_k == 1 or temperature == 0.0
-    new_tokens = params.get("num_tokens_to_generate")
-    if new_tokens is not None and int(new_tokens) < 1:
+    try:
+        new_tokens = _optional_int(params, "num_tokens_to_generate")
+        total = _optional_int(params, "num_tokens_total")
+        termination = _optional_int(params, "termination_id")
+    except (TypeError, ValueError) as err:
+        raise RequestRefused(str(err)) from None
+    if new_tokens is not None and new_tokens < 1:
         raise RequestRefused(f"num_tokens_to_generate {new_tokens}: must be at least 1")
     if new_tokens is None:
-        total = params.get("num_tokens_total")
         new_tokens = (total if total is not None else max_sequence_length) - len(ids)
-    termination = params.get("termination_id")
     if termination is None:
         termination = getattr(tokenizer, "eod", None)
     return_log_probs = bool(params.get("return_log_probs", False))
@@ -143,12 +146,32 @@ def to_engine_request(
             max_new_tokens=int(new_tokens),
             eos_id=None if termination is None or termination < 0 else int(termination),
             return_log_probs=return_log_probs,
-            top_n_logprobs=int(params.get("top_n_logprobs") or 0),
+            top_n_logprobs=_optional_int(params, "top_n_logprobs") or 0,
             stop_sequences=stop,
         )
-    except ValueError as err:
+    except (TypeError, ValueError) as err:
         raise RequestRefused(str(err).replace("invalid SamplingParams: ", "")) from None
     return EngineRequest(tuple(ids), engine_params)
+
+
+def _optional_int(params: Dict[str, Any], name: str) -> Optional[int]:
+    """``params[name]`` as an int, None where absent or None; raises ``ValueError`` naming
+    the field for a value that is not a whole number."""
+    value = params.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            isinstance(value, float) and not value.is_integer()):
+        raise ValueError(f"{name} {value!r}: expected a whole number")
+    return int(value)
+
+
+def _echoed_ids(prompt) -> list:
+    """A refused request's prompt as its reply carries it: the ids when it is a list of 64-bit
+    ints, else none (text, or an id no int64 tensor holds)."""
+    ok = isinstance(prompt, (list, tuple)) and all(
+        isinstance(t, int) and not isinstance(t, bool) and -2**63 <= t < 2**63 for t in prompt)
+    return list(prompt) if ok else []
 
 
 def _stop_trim(result: GenerationResult, megatron_params: Dict[str, Any], tokenizer) -> int:
@@ -196,14 +219,15 @@ def reply_item(
     from tknp_megatron.models.cpu_shims import allow_nvtx_without_cuda
 
     allow_nvtx_without_cuda()
+    completed = result is not None and result.status is RequestStatus.COMPLETED
     request = DynamicInferenceRequest(
         request_id=request_id,
-        prompt_tokens=torch.tensor(list(prompt), dtype=torch.int64),
+        prompt_tokens=torch.tensor(list(prompt) if completed else _echoed_ids(prompt), dtype=torch.int64),
         sampling_params=MegatronSamplingParams.deserialize(dict(megatron_params)),
     )
     # the arrival event: add_event_add in 0.16, add_event_add_engine from 0.17
     (getattr(request, "add_event_add", None) or request.add_event_add_engine)()
-    if result is not None and result.status is RequestStatus.COMPLETED:
+    if completed:
         keep = len(result.tokens) - _stop_trim(result, megatron_params, tokenizer)
         request.status = Status.COMPLETED
         request.generated_tokens = list(result.tokens[:keep])

@@ -164,14 +164,21 @@ class PoolServer:
             self._events.append(("arrive", time.perf_counter()))
         try:
             req = to_engine_request(prompt, params, self.tokenizer, self.max_sequence_length)
+            self.engine.add_request(req.prompt, req.params, request_id=request_id)
         except RequestRefused as err:
-            self._send([reply_item(request_id, _ids(prompt), params, self.tokenizer,
-                                   failure=f"request {request_id}: {err}")])
+            self._fail(request_id, prompt, params, str(err))
             return
-        self.engine.add_request(req.prompt, req.params, request_id=request_id)
+        except Exception as err:  # a value no check foresaw: this request fails, the pool serves on
+            self._fail(request_id, prompt, params, f"not accepted ({type(err).__name__}: {err})")
+            return
         self._open[request_id] = (req.prompt, params)
         if self.engine.requests[request_id].status is RequestStatus.REJECTED:
             self._reply([request_id])
+
+    def _fail(self, request_id: int, prompt, params: dict, reason: str) -> None:
+        """Answer a request the engine never took FAILED with ``reason``."""
+        self._send([reply_item(request_id, prompt, params, self.tokenizer,
+                               failure=f"request {request_id}: {reason}")])
 
     def _reply(self, request_ids: List[int]) -> None:
         """Reply with ended requests and forget them (a server runs indefinitely)."""
@@ -231,16 +238,10 @@ class PoolServer:
                 last = time.monotonic()
                 if message.header == "SUBMIT_REQUEST":
                     request_id, prompt, params = message.fields
-                    self._send([reply_item(request_id, _ids(prompt), params, self.tokenizer,
+                    self._send([reply_item(request_id, prompt, params, self.tokenizer,
                                            failure=f"request {request_id}: {reason}")])
 
     def _end_open(self, reason: str) -> None:
         """Every open request ends FAILED with ``reason`` (no collective is run)."""
         ended = self.engine.abort_all(reason)
         self._reply([rid for rid in ended if rid in self._open])
-
-
-def _ids(prompt) -> list:
-    """A refused request's prompt ids for its reply (none unless it is a list of ids)."""
-    ok = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    return prompt if ok else []

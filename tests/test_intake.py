@@ -1,0 +1,86 @@
+"""What a request is checked against before it reaches the scheduler, and what a served
+request is converted from: values beyond what the engine's tensors and the pools' messages
+carry (64-bit ids, a top-k or log-prob count beyond the vocabulary, fields of the wrong type)
+are refused with the field and the value, never raised inside a step."""
+
+from __future__ import annotations
+
+import pytest
+
+from tknp_megatron.config import get_preset
+from tknp_megatron.engine.intake import request_problem
+from tknp_megatron.engine.request import Request, RequestTimeline
+from tknp_megatron.sampling import SamplingParams
+
+TINY = get_preset("tiny")  # vocabulary 512, 1024 positions
+
+
+def _problem(prompt, **params):
+    req = Request(7, list(prompt), SamplingParams(**params), RequestTimeline(release=0.0))
+    return request_problem(req, TINY, max_fit_tokens=1024)
+
+
+@pytest.mark.parametrize("prompt, bad", [([1, 2**63], 2**63), ([1, 2**64 + 5], 2**64 + 5), ([-(2**70), 3], -(2**70)),
+                                         ([3, 512], 512), ([-1], -1)])
+def test_token_ids_outside_the_vocabulary_are_named_whatever_their_size(prompt, bad):
+    assert _problem(prompt) == f"request 7: token id {bad} outside the vocabulary [0, 512)"
+
+
+def test_top_n_logprobs_beyond_the_vocabulary_is_refused():
+    assert _problem([1, 2], return_log_probs=True, top_n_logprobs=512) is None
+    assert _problem([1, 2], return_log_probs=True, top_n_logprobs=513) == (
+        "request 7: top_n_logprobs 513 exceeds the vocabulary (512 tokens)")
+
+
+@pytest.mark.parametrize("field, value", [("top_k", 2**63), ("eos_id", 2**63)])
+def test_sampling_fields_beyond_64_bits_are_refused(field, value):
+    with pytest.raises(ValueError, match=f"{field} must be .*got {value}"):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("params, message", [
+    (dict(num_tokens_to_generate="abc"), "num_tokens_to_generate 'abc': expected a whole number"),
+    (dict(num_tokens_to_generate=2.5), "num_tokens_to_generate 2.5: expected a whole number"),
+    (dict(termination_id=[1]), "termination_id [1]: expected a whole number"),
+    (dict(top_n_logprobs="x", return_log_probs=True, skip_prompt_log_probs=True),
+     "top_n_logprobs 'x': expected a whole number"),
+    (dict(top_k=2**63, temperature=1.0), "top_k must be in [0, 2**63), got 9223372036854775808"),
+    (dict(termination_id=2**63), "eos_id must be None or in [0, 2**63), got 9223372036854775808"),
+], ids=["tokens_str", "tokens_fraction", "termination_list", "top_n_str", "top_k_64_bits", "termination_64_bits"])
+def test_served_fields_of_the_wrong_type_or_size_are_refused_by_name(params, message):
+    """Megatron's ``InferenceClient`` sends its ``SamplingParams`` as they are: the pool
+    refuses what the engine cannot take, naming the field."""
+    from tknp_megatron.serving.megatron_types import RequestRefused, to_engine_request
+
+    with pytest.raises(RequestRefused) as err:
+        to_engine_request([1, 2, 3], {"num_tokens_to_generate": 4, **params}, tokenizer=None,
+                          max_sequence_length=1024)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"prompt": 5}, "'prompt' 5: expected text or a list, got int"),
+    ({"messages": 5}, "'messages' 5: expected text or a list, got int"),
+    ({"prompt": []}, "'prompt' is empty"),
+    ({"prompt": [1, 2**64]}, "'prompt': token id 18446744073709551616 is outside the 64-bit integer range"),
+    ({"prompt": [[1, 2], [3, 2**63]]}, "token id 9223372036854775808 is outside"),
+    ({"prompt": "1 2", "max_tokens": None}, "'max_tokens' is null"),
+    ({"prompt": "1 2", "temperature": None}, "'temperature' is null"),
+    ({"prompt": "1 2", "max_tokens": 1e20}, "'max_tokens' 1e+20: outside the 64-bit integer range"),
+    ({"prompt": "1 2", "top_k": -(2**63) - 1}, "'top_k' -9223372036854775809: outside the 64-bit integer range"),
+    ([1, 2], "request body is not a JSON object"),
+])
+def test_http_bodies_megatrons_endpoints_would_answer_500_get_400(body, message):
+    from tknp_megatron.serving.frontend import _body_problem
+
+    problem = _body_problem("POST", body)
+    assert problem is not None and problem[1] == 400 and message in problem[0], problem
+    assert _body_problem("GET", body) is None
+
+
+def test_http_bodies_that_megatron_takes_pass():
+    from tknp_megatron.serving.frontend import _body_problem
+
+    for body in ({"prompt": "1 2 3", "max_tokens": 4, "temperature": 1e300, "logprobs": True},
+                 {"prompt": [1, 2, 3], "top_k": 2**63 - 1}, {"messages": [{"role": "user", "content": "hi"}]}):
+        assert _body_problem("POST", body) is None
