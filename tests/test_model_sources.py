@@ -208,6 +208,112 @@ def test_megatron_lm_training_checkpoint(tmp_path):
     assert report["completed"] == 6
 
 
+# ------------------------------------------------------------------ checkpoints that do not fit
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """TINY saved at TP 2 (untied, RMSNorm, no biases), the same tied, and the same laid out
+    as Megatron-LM's training loop leaves it: ``{name: directory}``."""
+    root = tmp_path_factory.mktemp("saved")
+    out = {}
+    for name, config, lm in (("untied", TINY, None), ("tied", {**TINY, "share_embeddings_and_output_weights": True},
+                                                        None), ("lm", {**TINY, "vocab_size": 256}, True)):
+        out[name] = root / name
+        out[name].mkdir()
+        lm_args = megatron_lm_args(config) if lm else None
+        spawn(save_worker, 2, (config, 256, str(out[name]), lm_args), timeout_s=120)
+    return out
+
+
+def _refusal(load, **config) -> str:
+    from tknp_megatron.models.source import SourceError, resolve_source
+
+    path = Path(load).parent / "config.json"
+    path.write_text(json.dumps({**TINY, **config}))
+    with pytest.raises(SourceError) as err:
+        resolve_source(load=str(load), model_config=str(path))
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(hidden_size=128), "decoder.layers.self_attention.linear_qkv.weight is (4, 128, 64) in the checkpoint; "
+                            "the model config needs (4, 128, 128)"),
+    (dict(num_layers=6), "linear_qkv.weight is (4, 128, 64) in the checkpoint; the model config needs (6, 128, 64)"),
+    (dict(num_query_groups=4), "the model config needs (4, 192, 64)"),
+    (dict(ffn_hidden_size=192), "decoder.layers.mlp.linear_fc1.weight is (4, 320, 64) in the checkpoint; "
+                                "the model config needs (4, 384, 64)"),
+    (dict(add_bias_linear=True), "no decoder.layers.self_attention.linear_qkv.bias in the checkpoint"),
+    (dict(normalization="LayerNorm"), "no decoder.layers.self_attention.linear_qkv.layer_norm_bias in the checkpoint"),
+    (dict(share_embeddings_and_output_weights=True),
+     "the checkpoint holds a separate output_layer.weight, but the model config ties the output layer"),
+], ids=["hidden", "layers", "groups", "ffn", "biases", "layer_norm", "tied"])
+def test_a_config_that_does_not_fit_the_checkpoint_is_refused_before_any_rank(saved, change, message):
+    """Read from the checkpoint's metadata in the launcher: a config whose shapes, biases,
+    norms or tying differ from the stored tensors (served, it would fail in every rank, or,
+    for a tie or a bias, silently serve another model)."""
+    assert message in _refusal(saved["untied"], **change)
+
+
+def test_a_tied_checkpoint_needs_a_tied_config(saved):
+    assert "no output_layer.weight in the checkpoint (the checkpoint ties it to the embedding: set " \
+           "share_embeddings_and_output_weights)" in _refusal(saved["tied"])
+
+
+def test_damaged_checkpoints_are_one_line(saved, tmp_path):
+    """A shard cut short or missing, a tracker naming no iteration, a ``common.pt`` that does
+    not unpickle: each named in one line before any rank starts."""
+    import shutil
+
+    from tknp_megatron.models.source import SourceError, resolve_source
+
+    def copy(name):
+        dst = tmp_path / f"{name}-{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(saved[name], dst)
+        return dst
+
+    cut = copy("untied")
+    shard = sorted(cut.glob("*.distcp"))[-1]
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[: size // 2])
+    assert f"{shard}: {size // 2} bytes, the metadata needs" in _refusal(cut)
+    gone = copy("untied")
+    shard = sorted(gone.glob("*.distcp"))[-1]
+    shard.unlink()
+    assert f"{shard}: missing, the metadata needs" in _refusal(gone)
+    garbage = copy("lm")
+    (garbage / "latest_checkpointed_iteration.txt").write_text("abc")
+    with pytest.raises(SourceError, match="latest_checkpointed_iteration.txt: holds 'abc', not an iteration"):
+        resolve_source(load=str(garbage))
+    pickled = copy("lm")
+    (pickled / "iter_0001000" / "common.pt").write_bytes(b"not a pickle")
+    with pytest.raises(SourceError, match=r"iter_0001000/common.pt: does not load \("):
+        resolve_source(load=str(pickled))
+    assert resolve_source(load=str(saved["lm"])).preset.num_layers == 4  # the intact one loads
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--hf", "{missing}", "--out", "{new}"], "--hf {missing}: no such directory"),
+    (["--hf", "{hf}", "--out", "{file}"], "--out {file}: a file, not a directory"),
+    (["--hf", "{hf}", "--out", "{full}"], "--out {full}: not empty; pass --force"),
+    (["--hf", "{hf}", "--out", "{orphan}"], "its directory {missing} does not exist"),
+], ids=["hf_missing", "out_file", "out_not_empty", "out_parent_missing"])
+def test_the_converter_refuses_bad_paths_in_one_line(tmp_path, capsys, argv, message):
+    from tknp_megatron.tools.convert_hf_checkpoint import main
+
+    paths = dict(missing=tmp_path / "missing", new=tmp_path / "new", hf=tmp_path / "hf", file=tmp_path / "file",
+                 full=tmp_path / "full", orphan=tmp_path / "missing" / "out")
+    make_hf_llama(paths["hf"], None)
+    paths["file"].write_text("x")
+    paths["full"].mkdir()
+    (paths["full"] / "kept").write_text("x")
+    capsys.readouterr()  # transformers' progress bar
+    assert main([a.format(**paths) for a in argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("convert_hf_checkpoint: error: ") and "\n" not in err, err
+    assert message.format(**paths) in err
+    assert (paths["full"] / "kept").read_text() == "x" and not paths["new"].exists()
+
+
 def test_megatron_lm_args_refuse_unsupported_features():
     from tknp_megatron.models.model_config import preset_from_checkpoint_args
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,7 @@ from tknp_megatron.models.layer_rounds import LayerRounds, fill_in_rounds_
 
 __all__ = [
     "checkpoint_padded_vocab_size",
+    "checkpoint_problems",
     "load_megatron_checkpoint",
     "read_checkpoint_args",
     "resolve_checkpoint_dir",
@@ -59,6 +60,8 @@ def resolve_checkpoint_dir(ckpt_dir: PathLike) -> Path:
     tracker = path / "latest_checkpointed_iteration.txt"
     if not (path / "metadata.json").exists() and tracker.exists():
         it = tracker.read_text().strip()
+        if it != "release" and not it.isdigit():
+            raise ValueError(f"{tracker}: holds {it[:40]!r}, not an iteration number or 'release'")
         path = path / ("release" if it == "release" else f"iter_{int(it):07d}")
     if not (path / "metadata.json").exists():
         raise FileNotFoundError(f"{path}: not a Megatron distributed checkpoint (no metadata.json)")
@@ -218,12 +221,104 @@ def checkpoint_padded_vocab_size(ckpt_dir: PathLike) -> int:
     return int(meta[key].global_shape[0])
 
 
+_LAYER = "decoder.layers."
+
+
+def checkpoint_problems(ckpt_dir: PathLike, preset) -> List[str]:
+    """What keeps the checkpoint from holding ``preset``'s weights, one line each, read from
+    its metadata and its files' sizes (no tensor is read), so that a launcher refuses it
+    before any rank starts: a shard file missing or shorter than the metadata says; a
+    tensor the model needs that is not stored, or stored with another shape (the layer
+    count, widths, head layout); a tensor stored that the model would leave unread (biases,
+    norm biases or a separate output layer the config does not have: served without them,
+    the tokens would not be the checkpoint's model's). The vocabulary rows may differ
+    (checked by the caller against the model's vocabulary); nothing else may."""
+    path = resolve_checkpoint_dir(ckpt_dir)
+    try:
+        problems = _short_files(path)
+        meta = None if problems else dist_checkpointing.load_tensors_metadata(str(path))
+    except Exception as err:  # a damaged metadata file: whatever its reader raises
+        raise ValueError(f"{path}: its metadata does not load ({type(err).__name__}: {err})") from None
+    if problems:
+        return problems
+    return _layout_problems({k: tuple(v.global_shape) for k, v in meta.items()}, preset)
+
+
+def _short_files(path: Path) -> List[str]:
+    """Shard files the checkpoint's metadata names that are missing or cut short."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    needed: Dict[str, int] = {}
+    for info in FileSystemReader(str(path)).read_metadata().storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    out = []
+    for name, size in sorted(needed.items()):
+        file = path / name
+        have = file.stat().st_size if file.is_file() else None
+        if have is None or have < size:
+            out.append(f"{file}: {'missing' if have is None else f'{have} bytes'}, the metadata needs {size} bytes")
+    return out
+
+
+def _layout_problems(stored: Dict[str, tuple], preset) -> List[str]:
+    """``stored`` (key -> global shape, layers stacked on axis 0) against what a TP-1
+    ``GPTModel`` of ``preset`` saves; see :func:`checkpoint_problems`. Norms are found under
+    the TE names the local spec also saves (``linear_qkv.layer_norm_weight``) or the local
+    names zero-centred norms keep (``input_layernorm.weight``)."""
+    L, h = preset.num_layers, preset.hidden_size
+    fc1 = preset.ffn_hidden_size * (2 if preset.gated else 1)
+    layer_norm = preset.normalization == "LayerNorm"
+    # (names it may be stored under, shape, whether the model has it)
+    tensors = [
+        (("self_attention.linear_qkv.weight",), (L, preset.qkv_width, h), True),
+        (("self_attention.linear_proj.weight",), (L, h, preset.num_attention_heads * preset.kv_channels), True),
+        (("mlp.linear_fc1.weight",), (L, fc1, h), True),
+        (("mlp.linear_fc2.weight",), (L, h, preset.ffn_hidden_size), True),
+        (("self_attention.linear_qkv.bias",), (L, preset.qkv_width), preset.add_bias_linear or preset.add_qkv_bias),
+        (("self_attention.linear_proj.bias",), (L, h), preset.add_bias_linear),
+        (("mlp.linear_fc1.bias",), (L, fc1), preset.add_bias_linear),
+        (("mlp.linear_fc2.bias",), (L, h), preset.add_bias_linear),
+        (("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"), (L, h), True),
+        (("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"), (L, h), True),
+        (("self_attention.linear_qkv.layer_norm_bias", "input_layernorm.bias"), (L, h), layer_norm),
+        (("mlp.linear_fc1.layer_norm_bias", "pre_mlp_layernorm.bias"), (L, h), layer_norm),
+    ]
+    entries = [(tuple(_LAYER + n for n in names), shape, wanted) for names, shape, wanted in tensors]
+    entries += [(("decoder.final_layernorm.weight",), (h,), True),
+                (("decoder.final_layernorm.bias",), (h,), layer_norm)]
+    out = []
+    for names, shape, wanted in entries:
+        found = [n for n in names if n in stored]
+        if wanted and not found:
+            out.append(f"no {names[0]} in the checkpoint (the model config needs {shape})")
+        elif found and not wanted:
+            out.append(f"the checkpoint holds {found[0]} {stored[found[0]]}, which the model config does not "
+                       "have (add_bias_linear, add_qkv_bias, normalization)")
+        elif found and stored[found[0]] != shape:
+            out.append(f"{found[0]} is {stored[found[0]]} in the checkpoint; the model config needs {shape}")
+    tied = preset.gpt.share_embeddings_and_output_weights
+    for key, wanted in ((_EMBEDDING_KEY, True), ("output_layer.weight", not tied)):
+        if wanted and key not in stored:
+            why = " (the checkpoint ties it to the embedding: set share_embeddings_and_output_weights)" \
+                if key == "output_layer.weight" else ""
+            out.append(f"no {key} in the checkpoint{why}")
+        elif key in stored and not wanted:
+            out.append(f"the checkpoint holds a separate {key}, but the model config ties the output layer to "
+                       "the embedding (share_embeddings_and_output_weights)")
+        elif key in stored and stored[key][1:] != (h,):
+            out.append(f"{key} is {stored[key]} in the checkpoint; the model config needs (rows, {h})")
+    return out
+
+
 def _load_common(path: Path) -> Any:
     common = path / "common.pt"
     if not common.exists():
         return None
     # Megatron-LM pickles argparse.Namespace (and enums) here: only load trusted checkpoints.
-    return torch.load(common, map_location="cpu", weights_only=False)
+    try:
+        return torch.load(common, map_location="cpu", weights_only=False)
+    except Exception as err:  # a damaged file: whatever unpickling raises
+        raise ValueError(f"{common}: does not load ({type(err).__name__}: {err})") from None
 
 
 def read_checkpoint_args(ckpt_dir: PathLike) -> Optional[Any]:

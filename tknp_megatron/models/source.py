@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -70,7 +71,10 @@ def _checkpoint_preset(ckpt: str) -> ModelPreset:
     config = os.path.join(ckpt, "model_config.json")
     if os.path.exists(config):
         return _model_config(config, "--load")
-    stored = read_checkpoint_args(ckpt)
+    try:
+        stored = read_checkpoint_args(ckpt)
+    except _UNREADABLE as err:
+        raise SourceError(f"--load {ckpt}: {_one_line(err)}") from None
     if stored is None:
         raise SourceError(f"--load {ckpt}: no model_config.json and no Megatron-LM args stored "
                           "with it; pass --model-config FILE")
@@ -103,16 +107,35 @@ def _hf_preset(folder: str) -> ModelPreset:
         raise SourceError(f"--hf {folder}: {err}") from None
 
 
+# What reading a damaged checkpoint's files raises: a missing or unreadable file, a tracker
+# or JSON that does not parse, a pickle or shard that does not load (torch's and Megatron's
+# checkpoint errors are RuntimeErrors or their own exceptions, derived from Exception).
+_UNREADABLE = (OSError, ValueError, KeyError, RuntimeError, EOFError, ImportError, AttributeError,
+               pickle.UnpicklingError)
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
 def _checkpoint_rows(ckpt: str, preset: ModelPreset) -> int:
-    from tknp_megatron.models.checkpoint import checkpoint_padded_vocab_size, resolve_checkpoint_dir
+    """The checkpoint's embedding rows, once its files and tensors are checked against
+    ``preset`` (:func:`~tknp_megatron.models.checkpoint.checkpoint_problems`)."""
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    from tknp_megatron.models.checkpoint import checkpoint_padded_vocab_size, checkpoint_problems
 
     if not os.path.isdir(ckpt):
         raise SourceError(f"--load {ckpt}: no such directory")
     try:
-        resolve_checkpoint_dir(ckpt)
-        rows = checkpoint_padded_vocab_size(ckpt)
-    except (FileNotFoundError, KeyError) as err:
-        raise SourceError(f"--load {ckpt}: {err}") from None
+        problems = checkpoint_problems(ckpt, preset)
+        rows = None if problems else checkpoint_padded_vocab_size(ckpt)
+    except (*_UNREADABLE, CheckpointingException) as err:
+        raise SourceError(f"--load {ckpt}: {_one_line(err)}") from None
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise SourceError(f"--load {ckpt}: {problems[0]}{more}")
     if rows < preset.vocab_size:
         raise SourceError(f"--load {ckpt}: {rows} embedding rows, fewer than the model's "
                           f"vocab_size {preset.vocab_size}")
