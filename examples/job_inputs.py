@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
+from pathlib import Path
 from typing import List, Optional
 
 import torch
@@ -44,14 +46,58 @@ def add_model_flags(p, tokenizer_help: str = "HF tokenizer folder") -> None:
                    help="Megatron's FP8 format with --fp8-recipe: hybrid or e4m3")
 
 
-def finish_model_flags(p, args) -> None:
-    """:func:`add_model_flags`' defaults and the combinations it refuses (argparse errors)."""
+def finish_model_flags(args) -> None:
+    """:func:`add_model_flags`' defaults, and the combinations it refuses (:class:`JobError`)."""
     if args.dtype is None:
         args.dtype = "float32" if args.device == "cpu" else "bfloat16"
     if args.model and (args.load or args.hf or args.model_config):
-        p.error("--model is a preset with seeded weights: not with --load / --hf / --model-config")
+        raise JobError("--model is a preset with seeded weights: not with --load / --hf / --model-config")
     if args.hf and args.model_config:
-        p.error("--hf takes the architecture from the folder's config.json")
+        raise JobError("--hf takes the architecture from the folder's config.json: not with --model-config")
+
+
+MAX_TIMEOUT_S = 10**9
+"""The longest ``--timeout`` (about 30 years): torch's collectives take it as a ``timedelta``."""
+
+
+def launcher_problems(args) -> List[str]:
+    """The flags both launchers take beside the model's: ``--timeout`` and ``--seed``."""
+    problems = []
+    if not 0 < args.timeout <= MAX_TIMEOUT_S:
+        problems.append(f"--timeout {args.timeout}: must be positive (seconds) and at most {MAX_TIMEOUT_S}")
+    if not -2**63 <= args.seed < 2**63:
+        problems.append(f"--seed {args.seed}: must fit in 64 bits (signed)")
+    return problems
+
+
+def output_file_problem(flag: str, path: str) -> Optional[str]:
+    """Why the file ``path`` cannot be written when the run ends, or None: asked now, so that
+    no run ends without its output."""
+    target = Path(path)
+    if target.is_dir():
+        return f"{flag} {path}: a directory, not a file"
+    folder = target.parent
+    if not folder.is_dir():
+        return f"{flag} {path}: its directory {folder} does not exist"
+    try:  # written to once (a permission check would pass root anywhere)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as err:
+        return f"{flag} {path}: {folder} cannot be written ({err.strerror or err})"
+    return None
+
+
+def kv_memory_problem(flag: str, kv_tokens: int, preset: ModelPreset, tp: int, dtype: str,
+                      processes: int) -> Optional[str]:
+    """On CPU, where every rank of the pool runs on this host: why ``kv_tokens`` per node
+    cannot be allocated (more KV than the host's memory), or None."""
+    elem = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+    per_rank = kv_tokens * preset.num_layers * 2 * preset.local_kv_heads(tp) * preset.kv_channels * elem
+    total = per_rank * processes
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if total > host:
+        return (f"{flag} {kv_tokens}: {total / 2**30:.1f} GiB of KV cache in the {processes} processes on this "
+                f"host, more than its {host / 2**30:.1f} GiB of memory")
+    return None
 
 
 def dense_format(args):
@@ -91,11 +137,20 @@ def check_flags(args, preset: ModelPreset) -> None:
     if args.kv_tokens_per_node is not None:
         positive.append(("--kv-tokens-per-node", args.kv_tokens_per_node))
     problems = [f"{flag} {value}: must be at least 1" for flag, value in positive if value < 1]
+    kv = args.kv_tokens_per_node
+    if kv is not None and 1 <= kv < args.block_size:
+        problems.append(f"--kv-tokens-per-node {kv}: must hold at least one block (--block-size {args.block_size})")
+    elif kv is not None and kv >= 1 and args.device == "cpu":
+        problem = kv_memory_problem("--kv-tokens-per-node", kv, preset, args.tp, args.dtype,
+                                    args.nodes * args.tp)
+        problems += [problem] if problem else []
     lo, hi = args.prompt_len
     if not 1 <= lo <= hi:
         problems.append(f"--prompt-len {lo} {hi}: needs 1 <= MIN <= MAX")
-    if not args.timeout > 0:
-        problems.append(f"--timeout {args.timeout}: must be positive (seconds)")
+    problems += launcher_problems(args)
+    if args.json:
+        problem = output_file_problem("--json", args.json)
+        problems += [problem] if problem else []
     problems += [f"--{p}" for p in pool_problems(preset, args.nodes, args.tp)]
     problems += dense_format(args).problems(args.device)
     if args.attention_backend is not None:

@@ -43,8 +43,9 @@ class Progress:
 
 def _compare(results, reference: Optional[Dict[int, object]]) -> dict:
     """Token match against the reference (request index -> its generation, for the
-    requests the pool accepted), and the largest logit difference."""
-    if reference is None:
+    requests the pool accepted), and the largest logit difference; None for each where
+    nothing was compared (no reference run, or every request refused)."""
+    if not reference:
         return dict(match_reference=None, token_match_rate=None, max_logit_diff=None)
     matched = total = 0
     max_diff = 0.0
@@ -133,7 +134,8 @@ def print_report(r: dict, show: int = 4) -> None:
         f"output tokens {r['output_tokens']}  completion throughput {_f(r['completion_throughput_tok_s'])} tok/s",
         f"queue wait mean {_f(r['queue_wait_s_mean'], ' ms', 1e3)}  ITL p95 {_f(r['itl_p95_s'], ' ms', 1e3)}"
         f"  completion time mean {_f(r['completion_time_s_mean'], ' ms', 1e3)}",
-        f"match_reference: {str(r['match_reference']).lower()}  token match rate {_f(r['token_match_rate'])}"
+        f"match_reference: {'n/a' if r['match_reference'] is None else str(r['match_reference']).lower()}"
+        f"  token match rate {_f(r['token_match_rate'])}"
         f"  max logit diff {_f(r['max_logit_diff'])}",
     ]
     for rid, why in r["reject_reasons"].items():

@@ -95,11 +95,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung pool fails")
     args = p.parse_args(argv)
-    finish_model_flags(p, args)
+    finish_model_flags(args)
     if args.prompt and not args.tokenizer:
-        p.error("--prompt needs --tokenizer")
+        raise JobError("--prompt needs --tokenizer")
     if args.prompt and args.prompts_file:
-        p.error("--prompt and --prompts-file: choose one")
+        raise JobError("--prompt and --prompts-file: choose one")
     return args
 
 
@@ -260,8 +260,8 @@ def run_local(job: Job):
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
     try:
+        args = parse_args(argv)
         check_launch(args, f"--nodes {args.nodes} --tp {args.tp}", args.nodes * args.tp)
         job = prepare_job(args)
     except (JobError, SourceError) as err:

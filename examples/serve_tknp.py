@@ -30,6 +30,7 @@ import faulthandler
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import warnings
@@ -43,10 +44,13 @@ warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not inst
 from job_inputs import (  # noqa: E402
     JobError,
     add_model_flags,
-    dense_format,
     check_launch,
+    dense_format,
     finish_model_flags,
+    kv_memory_problem,
+    launcher_problems,
     load_tokenizer,
+    output_file_problem,
     rank_device,
 )
 
@@ -110,9 +114,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600.0,
                    help="collective timeout in seconds (a hung or dead rank fails the pool)")
     args = p.parse_args(argv)
-    finish_model_flags(p, args)
+    finish_model_flags(args)
     if args.layers is not None and (args.load or args.hf or args.model_config):
-        p.error("--layers cuts a preset (--model): not with --load / --hf / --model-config")
+        raise JobError("--layers cuts a preset (--model): not with --load / --hf / --model-config")
     return args
 
 
@@ -143,9 +147,12 @@ def prepare(args) -> ServeJob:
     for flag, value in (("--port", args.port), ("--coordinator-port", args.coordinator_port)):
         if value is not None and not 1 <= value <= 65535:
             problems.append(f"{flag} {value}: must be a TCP port in [1, 65535]")
-    for flag, value in (("--idle-tick", args.idle_tick), ("--timeout", args.timeout)):
-        if not value > 0:
-            problems.append(f"{flag} {value}: must be positive (seconds)")
+    if not args.idle_tick > 0:
+        problems.append(f"--idle-tick {args.idle_tick}: must be positive (seconds)")
+    problems += launcher_problems(args)
+    if args.step_log:
+        problem = output_file_problem("--step-log", args.step_log)
+        problems += [problem] if problem else []
     if args.idle_tick > 0 and args.timeout > 0 and args.idle_tick * 4 > args.timeout:
         problems.append(f"--idle-tick {args.idle_tick}: must be well inside --timeout "
                         f"{args.timeout} (at most a quarter of it)")
@@ -156,6 +163,12 @@ def prepare(args) -> ServeJob:
     if kv is not None and kv < args.block_size:
         problems.append(f"--kv-tokens-per-node {kv}: must hold at least one block "
                         f"(--block-size {args.block_size})")
+    elif kv is not None and args.device == "cpu":
+        problem = kv_memory_problem("--kv-tokens-per-node", kv, preset, args.tp, args.dtype,
+                                    args.pools * args.nodes * args.tp)
+        problems += [problem] if problem else []
+    if "RANK" not in os.environ or os.environ["RANK"] == "0":  # the process that serves HTTP
+        problems += _address_problems(args.host, args.port, args.coordinator_port)
     if backend_problem(args.attention_backend, args.device):
         problems.append(f"--attention-backend {backend_problem(args.attention_backend, args.device)}")
     if problems:
@@ -164,6 +177,26 @@ def prepare(args) -> ServeJob:
     if kv is None and args.device == "cpu":
         kv = 4 * (limit or preset.gpt.max_sequence_length)
     return ServeJob(args, source, kv)
+
+
+def _address_problems(host: str, port: int, coordinator_port: Optional[int]) -> list:
+    """``--host`` that does not resolve, or a port already taken there (bound once and
+    released: the front end binds it once the pools are up, too late to refuse in a line)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except (socket.gaierror, UnicodeError, OverflowError) as err:
+        return [f"--host {host}: not an address of this machine ({err})"]
+    problems = []
+    for flag, value in (("--port", port), ("--coordinator-port", coordinator_port)):
+        if value is None or not 1 <= value <= 65535:
+            continue
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, value))
+            except OSError as err:
+                problems.append(f"{flag} {value}: cannot be bound on {host} ({err.strerror or err})")
+    return problems
 
 
 # ----------------------------------------------------------------------------- a rank
@@ -273,8 +306,8 @@ def run_local(job: ServeJob) -> int:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
     try:
+        args = parse_args(argv)
         check_launch(args, f"--pools {args.pools} --nodes {args.nodes} --tp {args.tp}",
                      args.pools * args.nodes * args.tp)
         job = prepare(args)

@@ -20,6 +20,7 @@ from tknp_megatron.engine.factory import (
     engine_config_for,
     load_weights,
 )
+from tknp_megatron.engine.scheduler import LoadPolicy
 from tknp_megatron.executor.base import Executor
 from tknp_megatron.executor.dual_root import DualRootExecutor
 from tknp_megatron.executor.ingest import INGEST_CHUNK_BYTES, Admitter, KVIngest, KVSlice, position_chunks
@@ -325,8 +326,55 @@ def test_a_sequence_limit_below_the_models():
     assert capped["tokens"][0::2] == full["tokens"][0::2] and all(len(t) == 3 for t in full["tokens"])
     with pytest.raises(ValueError, match=r"^max_sequence_length 2048: over the model's max_sequence_length 1024 \(tiny\)$"):
         EngineConfig(max_sequence_length=2048).sequence_limit(get_preset("tiny"))
-    with pytest.raises(ValueError, match="max_sequence_length 0: must be at least 1"):
+    with pytest.raises(ValueError, match="max_sequence_length 0: must be None or an integer >= 1"):
         EngineConfig(max_sequence_length=0)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("block_size", 0, "block_size 0: must be an integer >= 1"),
+    ("block_size", 16.5, "block_size 16.5: must be an integer >= 1"),
+    ("kv_tokens_per_node", 8, "kv_tokens_per_node 8: must be None or an integer >= block_size 16 (one block)"),
+    ("kv_tokens_per_node", "100", "kv_tokens_per_node '100': must be None or an integer"),
+    ("max_requests_per_node", 0, "max_requests_per_node 0: must be an integer >= 1"),
+    ("max_prefill_tokens", -1, "max_prefill_tokens -1: must be an integer >= 1"),
+    ("gpu_memory_utilization", 1.5, "gpu_memory_utilization 1.5: must be in (0, 1]"),
+    ("gpu_memory_cap_gib", -1, "gpu_memory_cap_gib -1: must be None or a positive number of GiB"),
+    ("policy", "bogus", "policy 'bogus': choose one of usage, reserved"),
+    ("attention_backend", 3, "attention_backend 3: must be None or a backend name"),
+    ("cuda_graphs", "yes", "cuda_graphs 'yes': must be True or False"),
+])
+def test_engine_config_names_the_field_the_value_and_the_limit(field, value, message):
+    """Checked when the config is made, not deep inside the engine's build or first step."""
+    with pytest.raises(ValueError) as err:
+        EngineConfig(**{field: value})
+    assert str(err.value).startswith(f"EngineConfig {message}")
+    assert EngineConfig(policy="reserved").policy is LoadPolicy.RESERVED
+
+
+def non_integer_ids_worker(rank: int, world: int) -> list:
+    import parallel_state as ps
+    from tknp_megatron.config import get_preset
+    from tknp_megatron.sampling import SamplingParams
+
+    groups = ps.initialize_model_parallel(tensor_model_parallel_size=1, token_parallel_size=1)
+    try:
+        engine = build_engine(Mode.TKNP, get_preset("tiny"), groups, EngineConfig(kv_tokens_per_node=256),
+                              torch.device("cpu"), torch.float32)
+        results = engine.generate([[1, 2.7, 3], ["a", 2], [1, 2, 3]], SamplingParams(max_new_tokens=2))
+        return [(r.status.value, r.reject_reason, len(r.tokens)) for r in results]
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_token_ids_that_are_not_integers_are_refused_not_rounded():
+    """``generate`` / ``add_request`` take integer ids only: 2.7 is refused, not served as 2,
+    and a string refuses its request alone, the batch's others are served."""
+    from tknp_megatron.launch import spawn
+
+    ended = spawn(non_integer_ids_worker, 1, (), timeout_s=180)[0]
+    assert ended[0][:2] == ("rejected", "request 0: token id 2.7 is not an integer")
+    assert ended[1][:2] == ("rejected", "request 1: token id 'a' is not an integer")
+    assert ended[2] == ("completed", None, 2)
 
 
 def derived_plans_worker(rank: int, world: int, derive: bool, mode: str = "tknp") -> dict:

@@ -48,6 +48,7 @@ def _files(tmp: Path) -> dict:
     (tmp / "nothf").mkdir()
     out["nothf"] = str(tmp / "nothf")
     out["missing"] = str(tmp / "missing.json")
+    out["nodir"] = str(tmp / "nodir" / "out.json")
     return out
 
 
@@ -74,6 +75,14 @@ BAD = [
     (["--prompts-file", "{oov}"], "prompt 0 has token id 600, outside the vocabulary [0, 512)"),
     (["--prompts-file", "{missing}"], "missing.json: no such file"),
     (["--model-config", "{missing}"], "--model-config {missing}: no such file"),
+    (["--timeout", "inf"], "--timeout inf: must be positive (seconds) and at most 1000000000"),
+    (["--seed", str(2**64)], f"--seed {2**64}: must fit in 64 bits (signed)"),
+    (["--json", "{nodir}"], "--json {nodir}: its directory"),
+    (["--json", "{nothf}"], "--json {nothf}: a directory, not a file"),
+    (["--kv-tokens-per-node", "1"], "--kv-tokens-per-node 1: must hold at least one block (--block-size 16)"),
+    (["--kv-tokens-per-node", str(10**12)], f"--kv-tokens-per-node {10**12}: "),
+    (["--prompt", "hello"], "--prompt needs --tokenizer"),
+    (["--model", "tiny", "--load", "{nothf}"], "--model is a preset with seeded weights: not with --load"),
     (["--model-config", "{badconfig}"], "['hiden_size', 'vocab_sise']"),
     (["--model-config", "{moe}"], "mixture of experts (num_moe_experts=8)"),
     (["--model-config", "{strlayers}"], "num_layers '2': must be a positive integer"),
@@ -162,6 +171,20 @@ def test_refused_requests_and_strict_json(tmp_path):
         in report["reject_reasons"]["1"]
     assert report["match_reference"] is True and report["itl_p95_s"] is None
     assert "rejected: request 1" in proc.stdout
+
+
+def test_nothing_compared_is_not_a_match(tmp_path):
+    """Every request refused (each needs more KV than a node holds): the report says the
+    reference was not compared (null, "n/a"), not that it matched."""
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, str(JOB), "--kv-tokens-per-node", "16", "--prompt-len", "30", "40",
+                           "--requests", "3", "--nodes", "2", "--tp", "1", "--json", str(out), "--quiet"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert (report["completed"], report["rejected"]) == (0, 3)
+    assert report["match_reference"] is None and report["token_match_rate"] is None
+    assert "match_reference: n/a" in proc.stdout
 
 
 def _run_with_tty_stderr(*flags) -> str:

@@ -106,9 +106,9 @@ def test_tokenizer_prompts(tmp_path):
 
 def test_parse_errors_fail_before_the_pool(tmp_path):
     job = load_job_module()
-    with pytest.raises(SystemExit):  # argparse: --prompt needs --tokenizer
+    with pytest.raises(job.JobError, match="--prompt needs --tokenizer"):
         job.parse_args(["--prompt", "hello"])
-    with pytest.raises(SystemExit):  # a preset and a checkpoint at once
+    with pytest.raises(job.JobError, match="--model is a preset"):  # a preset and a checkpoint at once
         job.parse_args(["--model", "tiny", "--load", str(tmp_path)])
 
 

@@ -17,6 +17,7 @@ import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -402,14 +403,36 @@ def test_megatrons_stop_ends_the_server_in_order():
     (["--frontend-replicas", "0"], "--frontend-replicas 0: must be at least 1"),
     (["--max-sequence-length", "2048"], "--max-sequence-length 2048: must be in [1, 1024]"),
     (["--attention-backend", "flashy"], "--attention-backend flashy: not usable on cpu; choose one of "),
+    (["--timeout", "inf"], "--timeout inf: must be positive (seconds) and at most 1000000000"),
+    (["--seed", str(2**64)], f"--seed {2**64}: must fit in 64 bits (signed)"),
+    (["--step-log", "{tmp}/missing/steps.jsonl"], "--step-log {tmp}/missing/steps.jsonl: its directory "
+                                                  "{tmp}/missing does not exist"),
+    (["--host", "256.1.1.1"], "--host 256.1.1.1: not an address of this machine"),
+    (["--kv-tokens-per-node", str(10**12)], f"--kv-tokens-per-node {10**12}: "),
+    (["--load", "{tmp}", "--layers", "2"], "--layers cuts a preset (--model): not with --load / --hf / --model-config"),
 ], ids=["pools", "tp", "nodes", "port", "idle_tick", "idle_tick_timeout", "kv", "layers", "frontend_replicas",
-        "max_sequence_length", "attention_backend"])
-def test_bad_flags_are_one_line_before_any_process(argv, message, capsys):
+        "max_sequence_length", "attention_backend", "timeout_inf", "seed_64_bits", "step_log_folder", "host",
+        "kv_beyond_memory", "layers_with_load"])
+def test_bad_flags_are_one_line_before_any_process(argv, message, capsys, tmp_path):
     from tests.helpers import load_job_module
 
+    argv, message = [a.format(tmp=tmp_path) for a in argv], message.format(tmp=tmp_path)
     assert load_job_module("serve_tknp").main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("serve_tknp.py: error: ") and message in err and "\n" not in err, err
+
+
+def test_a_port_in_use_is_refused_before_any_process(capsys):
+    from tests.helpers import load_job_module
+    from tknp_megatron.launch import free_port
+
+    port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen(1)
+        assert load_job_module("serve_tknp").main(["--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"serve_tknp.py: error: --port {port}: cannot be bound on 127.0.0.1") and "\n" not in err
 
 
 def test_a_rank_killed_mid_decode_fails_open_requests_and_every_process_exits():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import gc
+import operator
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -190,8 +191,14 @@ class InferenceEngine(abc.ABC):
         self._next_id = max(self._next_id, rid + 1)
         params = sampling_params or SamplingParams()
         timeline = RequestTimeline(release=self.clock() if arrival_time is None else arrival_time)
-        req = Request(rid, [int(t) for t in prompt_tokens], params, timeline, kv, synthetic_kv)
-        reason = self._problem(req)  # before the request is recorded: should it raise, none is
+        try:  # ids as integers, never rounded (2.7 is not a token id)
+            prompt, reason = [operator.index(t) for t in prompt_tokens], None
+        except TypeError:
+            bad = next(t for t in prompt_tokens if not hasattr(type(t), "__index__"))
+            prompt, reason = [], f"request {rid}: token id {bad!r} is not an integer"
+        req = Request(rid, prompt, params, timeline, kv, synthetic_kv)
+        if reason is None:
+            reason = self._problem(req)  # before the request is recorded: should it raise, none is
         self.requests[rid] = req
         if reason is not None:
             req.reject(reason)

@@ -88,10 +88,45 @@ class EngineConfig:
     max_sequence_length: Optional[int] = None
 
     def __post_init__(self):
-        if self.microbatches not in (1, 2):
-            raise ValueError(f"microbatches must be 1 or 2 (dual active roots), got {self.microbatches}")
-        if self.max_sequence_length is not None and self.max_sequence_length < 1:
-            raise ValueError(f"max_sequence_length {self.max_sequence_length}: must be at least 1")
+        problem = self._problem()
+        if problem:
+            raise ValueError(f"EngineConfig {problem}")
+        object.__setattr__(self, "policy", LoadPolicy(self.policy))
+
+    def _problem(self) -> Optional[str]:
+        """The first field whose value is of the wrong type or out of range, as
+        ``"<field> <value>: <rule>"``, or None."""
+        def whole(value, low: int, optional: bool = False) -> bool:
+            return (optional and value is None) or (
+                isinstance(value, int) and not isinstance(value, bool) and value >= low)
+
+        for name in ("block_size", "max_requests_per_node", "max_prefill_tokens"):
+            if not whole(getattr(self, name), 1):
+                return f"{name} {getattr(self, name)!r}: must be an integer >= 1"
+        if not whole(self.kv_tokens_per_node, self.block_size, optional=True):
+            return (f"kv_tokens_per_node {self.kv_tokens_per_node!r}: must be None or an integer "
+                    f">= block_size {self.block_size} (one block)")
+        if not whole(self.max_sequence_length, 1, optional=True):
+            return f"max_sequence_length {self.max_sequence_length!r}: must be None or an integer >= 1"
+        if self.microbatches not in (1, 2) or isinstance(self.microbatches, bool):
+            return f"microbatches {self.microbatches!r}: must be 1 or 2 (dual active roots)"
+        fraction = self.gpu_memory_utilization
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            return f"gpu_memory_utilization {fraction!r}: must be in (0, 1]"
+        cap = self.gpu_memory_cap_gib
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float))
+                                or not 0 < cap < float("inf")):
+            return f"gpu_memory_cap_gib {cap!r}: must be None or a positive number of GiB"
+        if self.policy not in {p.value for p in LoadPolicy}:
+            return f"policy {self.policy!r}: choose one of {', '.join(p.value for p in LoadPolicy)}"
+        if self.attention_backend is not None and not isinstance(self.attention_backend, str):
+            return f"attention_backend {self.attention_backend!r}: must be None or a backend name"
+        for name in ("record_logits", "cuda_graphs", "capture_at_start", "freeze_gc", "fused_rope"):
+            if not isinstance(getattr(self, name), bool):
+                return f"{name} {getattr(self, name)!r}: must be True or False"
+        if self.fused_elementwise is not None and not isinstance(self.fused_elementwise, bool):
+            return f"fused_elementwise {self.fused_elementwise!r}: must be None, True or False"
+        return None
 
     def sequence_limit(self, preset) -> int:
         """The longest request served with ``preset``'s model (``max_sequence_length``);

@@ -33,8 +33,8 @@ def waves_budget(reservations: Sequence[int], nodes: int, block_size: int) -> in
 
 def budget_blocks(bytes_per_block: int, engine_config, device: torch.device) -> int:
     """KV blocks this rank may allocate under the engine's budget."""
-    if engine_config.kv_tokens_per_node is not None:
-        return math.ceil(engine_config.kv_tokens_per_node / engine_config.block_size)
+    if engine_config.kv_tokens_per_node is not None:  # whole blocks within the budget
+        return engine_config.kv_tokens_per_node // engine_config.block_size
     if device.type != "cuda":
         raise ValueError("kv_tokens_per_node is required off GPU (no free-memory measure)")
     free, total = torch.cuda.mem_get_info(device)
