@@ -26,6 +26,20 @@ def test_token_ids_outside_the_vocabulary_are_named_whatever_their_size(prompt, 
     assert _problem(prompt) == f"request 7: token id {bad} outside the vocabulary [0, 512)"
 
 
+def test_integer_ids_take_integers_of_every_kind_and_round_none():
+    import numpy as np
+    import torch
+
+    from tknp_megatron.engine.intake import integer_ids
+
+    assert integer_ids([1, np.int64(2), torch.tensor(3)]) == ([1, 2, 3], None)
+    assert integer_ids(torch.tensor([4, 5])) == ([4, 5], None)
+    assert integer_ids(iter([6, 7])) == ([6, 7], None)
+    assert integer_ids([1, 2.7, 3]) == ([], 2.7)
+    ids, bad = integer_ids(torch.tensor([1.5, 2.0]))
+    assert ids == [] and float(bad) == 1.5
+
+
 def test_top_n_logprobs_beyond_the_vocabulary_is_refused():
     assert _problem([1, 2], return_log_probs=True, top_n_logprobs=512) is None
     assert _problem([1, 2], return_log_probs=True, top_n_logprobs=513) == (

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import abc
 import gc
-import operator
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -30,7 +29,7 @@ from parallel_state import TokenParallelGroups
 from tknp_megatron.analysis.metrics import ServingMetrics, summarize
 from tknp_megatron.config import ModelPreset
 from tknp_megatron.engine.config import EngineConfig, GenerationResult
-from tknp_megatron.engine.intake import Arrival, ArrivalQueue, request_problem
+from tknp_megatron.engine.intake import Arrival, ArrivalQueue, integer_ids, request_problem
 from tknp_megatron.engine.plan_broadcast import PlanBroadcast
 from tknp_megatron.engine.request import Request, RequestStatus, RequestTimeline
 from tknp_megatron.engine.scheduler import Scheduler, SchedulerConfig, StepLogProbs
@@ -191,11 +190,8 @@ class InferenceEngine(abc.ABC):
         self._next_id = max(self._next_id, rid + 1)
         params = sampling_params or SamplingParams()
         timeline = RequestTimeline(release=self.clock() if arrival_time is None else arrival_time)
-        try:  # ids as integers, never rounded (2.7 is not a token id)
-            prompt, reason = [operator.index(t) for t in prompt_tokens], None
-        except TypeError:
-            bad = next(t for t in prompt_tokens if not hasattr(type(t), "__index__"))
-            prompt, reason = [], f"request {rid}: token id {bad!r} is not an integer"
+        prompt, bad = integer_ids(prompt_tokens)
+        reason = None if bad is None else f"request {rid}: token id {bad!r} is not an integer"
         req = Request(rid, prompt, params, timeline, kv, synthetic_kv)
         if reason is None:
             reason = self._problem(req)  # before the request is recorded: should it raise, none is

@@ -7,9 +7,10 @@ each :class:`Arrival` is submitted once its time since the trace's release has p
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -17,7 +18,25 @@ from tknp_megatron.config import ModelPreset
 from tknp_megatron.engine.request import Request
 from tknp_megatron.sampling import SamplingParams
 
-__all__ = ["Arrival", "ArrivalQueue", "request_problem"]
+__all__ = ["Arrival", "ArrivalQueue", "integer_ids", "request_problem"]
+
+
+def integer_ids(tokens: Sequence) -> Tuple[List[int], Optional[object]]:
+    """``(ids, None)``: the tokens as Python ints (ints, numpy or 0-d torch integers; never
+    rounded: 2.7 is not a token id), or ``([], first)`` with the first that is not an integer."""
+    tokens = list(tokens)
+    try:
+        return [operator.index(t) for t in tokens], None
+    except TypeError:
+        return [], next(t for t in tokens if not _is_integer(t))
+
+
+def _is_integer(value) -> bool:
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 def request_problem(req: Request, preset: ModelPreset, max_fit_tokens: int,

@@ -245,8 +245,14 @@ def checkpoint_problems(ckpt_dir: PathLike, preset) -> List[str]:
 
 
 def _short_files(path: Path) -> List[str]:
-    """Shard files the checkpoint's metadata names that are missing or cut short."""
+    """Shard files the checkpoint's metadata names that are missing or cut short (a
+    ``torch_dist`` checkpoint's; another backend's files are left to its loader)."""
+    import json
+
     from torch.distributed.checkpoint import FileSystemReader
+
+    if json.loads((path / "metadata.json").read_text()).get("sharded_backend") != "torch_dist":
+        return []
 
     needed: Dict[str, int] = {}
     for info in FileSystemReader(str(path)).read_metadata().storage_data.values():
