@@ -60,5 +60,5 @@ def test_dual_root_uses_both_microbatches_and_waves(dual, shape):
 def test_engine_config_allows_one_or_two_microbatches():
     from tknp_megatron.engine.engine import EngineConfig
 
-    with pytest.raises(ValueError, match="microbatches must be 1 or 2"):
+    with pytest.raises(ValueError, match="microbatches 3: must be 1 or 2"):
         EngineConfig(microbatches=3)
