@@ -88,9 +88,15 @@ TOKENIZER_SENTENCES = [
 ] * 4
 
 
-def make_tiny_tokenizer(folder, vocab_size: int = 200, bos: bool = False) -> Path:
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+"""A small chat template in the usual form (each turn between BOS and EOS)."""
+
+
+def make_tiny_tokenizer(folder, vocab_size: int = 200, bos: bool = False,
+                        chat_template: Optional[str] = None) -> Path:
     """Train a BPE tokenizer (Metaspace, ~``vocab_size`` ids) on :data:`TOKENIZER_SENTENCES`;
-    save a HF folder.
+    save a HF folder (with ``chat_template`` in its config, if given).
 
     Special tokens ``<unk>`` (0), ``<s>`` (1), ``</s>`` (2). ``bos``: a post-processor
     puts ``<s>`` in front of every encoding, as Llama's tokenizers do.
@@ -109,9 +115,10 @@ def make_tiny_tokenizer(folder, vocab_size: int = 200, bos: bool = False) -> Pat
         tok.post_processor = processors.TemplateProcessing(
             single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(dict(
-        tokenizer_class="PreTrainedTokenizerFast", bos_token="<s>", eos_token="</s>",
-        unk_token="<unk>", add_bos_token=bos)))
+    config = dict(tokenizer_class="PreTrainedTokenizerFast", bos_token="<s>", eos_token="</s>",
+                  unk_token="<unk>", add_bos_token=bos)
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        config if chat_template is None else {**config, "chat_template": chat_template}))
     return folder
 
 

@@ -60,7 +60,10 @@ def test_sampling_fields_beyond_64_bits_are_refused(field, value):
      "top_n_logprobs 'x': expected a whole number"),
     (dict(top_k=2**63, temperature=1.0), "top_k must be in [0, 2**63), got 9223372036854775808"),
     (dict(termination_id=2**63), "eos_id must be None or in [0, 2**63), got 9223372036854775808"),
-], ids=["tokens_str", "tokens_fraction", "termination_list", "top_n_str", "top_k_64_bits", "termination_64_bits"])
+    (dict(num_tokens_total=12), "num_tokens_to_generate 4 and num_tokens_total 12: set one (the other None)"),
+    (dict(num_tokens_to_generate=None, num_tokens_total=3), "num_tokens_total 3: must exceed the prompt's 3 tokens"),
+], ids=["tokens_str", "tokens_fraction", "termination_list", "top_n_str", "top_k_64_bits", "termination_64_bits",
+        "both_lengths", "total_within_prompt"])
 def test_served_fields_of_the_wrong_type_or_size_are_refused_by_name(params, message):
     """Megatron's ``InferenceClient`` sends its ``SamplingParams`` as they are: the pool
     refuses what the engine cannot take, naming the field."""
@@ -72,12 +75,24 @@ def test_served_fields_of_the_wrong_type_or_size_are_refused_by_name(params, mes
     assert message in str(err.value)
 
 
+def test_num_tokens_total_sets_the_output_length_as_megatrons_engine_does():
+    from tknp_megatron.serving.megatron_types import to_engine_request
+
+    req = to_engine_request([1, 2, 3, 4, 5], {"num_tokens_to_generate": None, "num_tokens_total": 12},
+                            tokenizer=None, max_sequence_length=1024)
+    assert req.params.max_new_tokens == 7
+    req = to_engine_request([1, 2, 3], {"num_tokens_to_generate": None}, tokenizer=None, max_sequence_length=64)
+    assert req.params.max_new_tokens == 61
+
+
 @pytest.mark.parametrize("body, message", [
     ({"prompt": 5}, "'prompt' 5: expected text or a list, got int"),
     ({"messages": 5}, "'messages' 5: expected text or a list, got int"),
     ({"prompt": []}, "'prompt' is empty"),
-    ({"prompt": [1, 2**64]}, "'prompt': token id 18446744073709551616 is outside the 64-bit integer range"),
-    ({"prompt": [[1, 2], [3, 2**63]]}, "token id 9223372036854775808 is outside"),
+    ({"prompt": [1, 2**64]}, "'prompt': token id 18446744073709551616 outside the vocabulary [0, 512)"),
+    ({"prompt": [[1, 2], [3, 2**63]]}, "token id 9223372036854775808 outside the vocabulary [0, 512)"),
+    ({"prompt": [-1, 5]}, "'prompt': token id -1 outside the vocabulary [0, 512)"),
+    ({"prompt": [512]}, "'prompt': token id 512 outside the vocabulary [0, 512)"),
     ({"prompt": "1 2", "max_tokens": None}, "'max_tokens' is null"),
     ({"prompt": "1 2", "temperature": None}, "'temperature' is null"),
     ({"prompt": "1 2", "max_tokens": 1e20}, "'max_tokens' 1e+20: outside the 64-bit integer range"),
@@ -87,14 +102,14 @@ def test_served_fields_of_the_wrong_type_or_size_are_refused_by_name(params, mes
 def test_http_bodies_megatrons_endpoints_would_answer_500_get_400(body, message):
     from tknp_megatron.serving.frontend import _body_problem
 
-    problem = _body_problem("POST", body)
+    problem = _body_problem("POST", body, 512)
     assert problem is not None and problem[1] == 400 and message in problem[0], problem
-    assert _body_problem("GET", body) is None
+    assert _body_problem("GET", body, 512) is None
 
 
 def test_http_bodies_that_megatron_takes_pass():
     from tknp_megatron.serving.frontend import _body_problem
 
     for body in ({"prompt": "1 2 3", "max_tokens": 4, "temperature": 1e300, "logprobs": True},
-                 {"prompt": [1, 2, 3], "top_k": 2**63 - 1}, {"messages": [{"role": "user", "content": "hi"}]}):
-        assert _body_problem("POST", body) is None
+                 {"prompt": [0, 2, 511], "top_k": 2**63 - 1}, {"messages": [{"role": "user", "content": "hi"}]}):
+        assert _body_problem("POST", body, 512) is None

@@ -422,6 +422,38 @@ def test_bad_flags_are_one_line_before_any_process(argv, message, capsys, tmp_pa
     assert err.startswith("serve_tknp.py: error: ") and message in err and "\n" not in err, err
 
 
+def test_chat_completions_apply_the_tokenizers_chat_template(tmp_path):
+    """``/v1/chat/completions`` with a tokenizer folder that has a chat template: Megatron's
+    endpoint renders the messages through it (``Tokenizer.apply_chat_template``) and the
+    reply is the greedy continuation of exactly transformers' templated ids, as
+    ``/v1/completions`` gives it for those ids."""
+    transformers = pytest.importorskip("transformers")
+    from tests.helpers import CHAT_TEMPLATE, make_tiny_tokenizer
+
+    folder = make_tiny_tokenizer(tmp_path / "tok", chat_template=CHAT_TEMPLATE)
+    messages = [{"role": "system", "content": "the quick model"}, {"role": "user", "content": "decodes tokens"}]
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    templated = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = hf(templated, add_special_tokens=False)["input_ids"]
+    config = tmp_path / "model.json"  # seeded weights over the tokenizer's ids only, so the reply has text
+    config.write_text(json.dumps(dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                                      ffn_hidden_size=128, vocab_size=len(hf), max_sequence_length=256,
+                                      normalization="RMSNorm", gated_linear_unit=True, activation="silu",
+                                      add_bias_linear=False)))
+    s = Server("--pools", "1", "--nodes", "2", "--tp", "1", "--model-config", str(config), "--tokenizer", str(folder),
+               "--idle-tick", "0.5")
+    try:
+        chat = requests.post(s.url + "/v1/chat/completions", timeout=120,
+                             json=dict(messages=messages, max_tokens=6, temperature=0))
+        plain = requests.post(s.url + "/v1/completions", timeout=120,
+                              json=dict(prompt=ids, max_tokens=6, temperature=0))
+        assert chat.status_code == 200 and plain.status_code == 200, (chat.text, plain.text)
+        text = plain.json()["choices"][0]["text"]
+        assert text and chat.json()["choices"][0]["message"]["content"] == text
+    finally:
+        s.kill()
+
+
 def test_a_port_in_use_is_refused_before_any_process(capsys):
     from tests.helpers import load_job_module
     from tknp_megatron.launch import free_port

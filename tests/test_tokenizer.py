@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import make_tiny_tokenizer
+from tests.helpers import CHAT_TEMPLATE, make_tiny_tokenizer
 from tknp_megatron.models import tokenizer as tokenizer_module
 from tknp_megatron.models.tokenizer import Tokenizer
 
@@ -49,3 +49,22 @@ def test_bos_kept_when_added_by_default(tmp_path):
 def test_missing_folder(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         Tokenizer(tmp_path)
+
+
+def test_chat_template_as_megatrons_chat_endpoint_calls_it(tmp_path):
+    """``apply_chat_template(messages, tokenize=True, add_generation_prompt=True)``, as
+    Megatron's chat endpoint calls it: transformers' own ids, as a list of ints; no template,
+    AttributeError (which that endpoint reports as such)."""
+    transformers = pytest.importorskip("transformers")
+    folder = make_tiny_tokenizer(tmp_path / "chat", chat_template=CHAT_TEMPLATE)
+    messages = [{"role": "system", "content": "the quick model"}, {"role": "user", "content": "decodes tokens"}]
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    tok = Tokenizer(folder)
+    assert tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == expected
+    ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    assert type(ids) is list and all(type(i) is int for i in ids)
+    assert ids == hf(expected, add_special_tokens=False)["input_ids"] and ids[0] == tok.bos_id
+    with pytest.raises(AttributeError, match="no chat template"):
+        Tokenizer(make_tiny_tokenizer(tmp_path / "plain")).apply_chat_template(messages)
+

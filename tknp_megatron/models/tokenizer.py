@@ -9,8 +9,8 @@ BOS is kept when the tokenizer puts one in front by default (Llama's ``<s>`` /
 output. EOS, when the tokenizer names one, is what stops generation.
 
 :class:`Tokenizer` also has the interface Megatron-Core's inference server and
-coordinator call (``tokenize`` / ``detokenize`` / ``eod`` / ``bos`` / ``vocab_size``, as
-``megatron.core.tokenizers`` tokenizers have) and pickles as its folder, so the same object
+coordinator call (``tokenize`` / ``detokenize`` / ``apply_chat_template`` / ``eod`` / ``bos`` /
+``vocab_size``, as ``megatron.core.tokenizers`` tokenizers have) and pickles as its folder, so the same object
 serves the main job and Megatron's server processes. :func:`server_tokenizer` gives a model
 without a tokenizer folder Megatron's own null tokenizer (text is space-separated ids).
 """
@@ -126,6 +126,20 @@ class Tokenizer:
     def detokenize(self, ids: Sequence[int]) -> str:
         """Megatron's name for :meth:`decode` (special tokens dropped)."""
         return self.decode(ids)
+
+    def apply_chat_template(self, conversation, chat_template: Optional[str] = None, tokenize: bool = True,
+                            **kwargs) -> Union[str, List[int]]:
+        """Megatron's ``apply_chat_template`` (its chat endpoint calls it): the conversation
+        through the folder's chat template (``transformers``' own rendering), as a list of
+        token ids when ``tokenize``, else the text. ``AttributeError`` (which Megatron's
+        endpoint reports as "no chat template") without ``transformers`` or a template."""
+        template = chat_template or getattr(self._hf, "chat_template", None)
+        if self._hf is None or not template:
+            raise AttributeError(f"{self.folder}: the tokenizer has no chat template")
+        kwargs.pop("return_dict", None)  # ids or text, never a BatchEncoding (msgpack carries lists)
+        out = self._hf.apply_chat_template(conversation, chat_template=template, tokenize=tokenize,
+                                           return_dict=False, **kwargs)
+        return [int(t) for t in out] if tokenize else out
 
     @property
     def eod(self) -> Optional[int]:

@@ -278,12 +278,14 @@ _INTEGER_FIELDS = ("max_tokens", "top_k", "n", "logprobs", "top_logprobs", "seed
 _INT64 = 2**63
 
 
-def _body_problem(method: str, body) -> Optional[tuple]:
+def _body_problem(method: str, body, vocab: int) -> Optional[tuple]:
     """400, naming the field and the value, for a POST body Megatron's endpoints would answer
     with a bare 500 or a generic page, or whose values the request cannot carry to the
     pools: not a JSON object; a prompt (or chat messages) empty or neither text nor a list;
-    a numeric field that is null; an integer beyond 64 bits (msgpack's and the engine's
-    limit), in a numeric field or among a prompt's token ids."""
+    a prompt's token id outside the tokenizer's ``vocab`` (the endpoint detokenizes the ids
+    first, and a Hugging Face tokenizer fails on one beyond 32 bits without naming it); a
+    numeric field that is null; an integer field beyond 64 bits (msgpack's and the engine's
+    limit)."""
     if method != "POST":
         return None
     if not isinstance(body, dict):
@@ -298,9 +300,9 @@ def _body_problem(method: str, body) -> Optional[tuple]:
         if isinstance(prompt, list):  # token ids, or lists of them (a batch of prompts)
             ids = [t for item in prompt for t in (item if isinstance(item, list) else [item])
                    if isinstance(t, int) and not isinstance(t, bool)]
-            huge = next((t for t in ids if not -_INT64 <= t < _INT64), None)
-            if huge is not None:
-                return f"'{key}': token id {huge} is outside the 64-bit integer range", 400
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                return f"'{key}': token id {bad} outside the vocabulary [0, {vocab})", 400
     for field in _NUMBER_FIELDS:
         if field not in body:
             continue
@@ -355,7 +357,8 @@ async def _http_main(address: str, tokenizer, host: str, port: int, stop, listen
 
         app = Flask("tknp_megatron.serving")
         app.config["client"] = _FailedAsError(client)
-        app.before_request(lambda: _body_problem(request.method, request.get_json(silent=True)))
+        app.before_request(lambda: _body_problem(request.method, request.get_json(silent=True),
+                                                 tokenizer.vocab_size))
     else:
         from quart import Quart, request
 
@@ -366,7 +369,8 @@ async def _http_main(address: str, tokenizer, host: str, port: int, stop, listen
 
         @app.before_request
         async def _check():
-            return _body_problem(request.method, await request.get_json(force=True, silent=True))
+            return _body_problem(request.method, await request.get_json(force=True, silent=True),
+                                 tokenizer.vocab_size)
     app.config["tokenizer"] = tokenizer
     for blueprint in endpoints.__all__:
         app.register_blueprint(blueprint)

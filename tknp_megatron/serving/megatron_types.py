@@ -89,8 +89,9 @@ def to_engine_request(
 
     Megatron's conventions, applied as its engine applies them: ``top_k == 1`` or
     ``temperature == 0`` is greedy; ``top_p == 0`` is off; ``termination_id`` None is the
-    tokenizer's ``eod`` and -1 is none; ``num_tokens_to_generate`` None means
-    ``num_tokens_total - len(prompt)``, else up to ``max_sequence_length``; stop words are
+    tokenizer's ``eod`` and -1 is none; ``num_tokens_total`` (with ``num_tokens_to_generate``
+    None: Megatron's engine takes one of the two) generates ``num_tokens_total - len(prompt)``,
+    neither up to ``max_sequence_length``; stop words are
     tokenized without BOS. Prompt log-probs (``return_log_probs`` without
     ``skip_prompt_log_probs``) are refused: a decode pool receives its prompts' KV and
     never computes their logits.
@@ -125,10 +126,17 @@ def to_engine_request(
         termination = _optional_int(params, "termination_id")
     except (TypeError, ValueError) as err:
         raise RequestRefused(str(err)) from None
-    if new_tokens is not None and new_tokens < 1:
+    if new_tokens is not None and total is not None:  # Megatron's engine asserts one of the two
+        raise RequestRefused(f"num_tokens_to_generate {new_tokens} and num_tokens_total {total}: set one "
+                             "(the other None)")
+    if total is not None:
+        new_tokens = total - len(ids)
+        if new_tokens < 1:
+            raise RequestRefused(f"num_tokens_total {total}: must exceed the prompt's {len(ids)} tokens")
+    elif new_tokens is None:
+        new_tokens = max_sequence_length - len(ids)
+    elif new_tokens < 1:
         raise RequestRefused(f"num_tokens_to_generate {new_tokens}: must be at least 1")
-    if new_tokens is None:
-        new_tokens = (total if total is not None else max_sequence_length) - len(ids)
     if termination is None:
         termination = getattr(tokenizer, "eod", None)
     return_log_probs = bool(params.get("return_log_probs", False))
