@@ -73,6 +73,12 @@ def init_tool_process(device_type: str) -> torch.device:
     the device."""
     device = torch.device("cpu")
     if device_type == "cuda":
+        if not torch.cuda.is_available():  # one line, exit 2, before any process group
+            import sys
+
+            print(f"{os.path.basename(sys.argv[0])}: error: --device cuda: no CUDA device on this machine",
+                  file=sys.stderr)
+            raise SystemExit(2)
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"

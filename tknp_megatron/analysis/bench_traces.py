@@ -11,6 +11,7 @@ KV heads, and TKNP on that variant too (``tknp-mqa``).
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Iterator, List, Optional, Tuple
 
 from tknp_megatron.analysis import workload as wl
@@ -18,7 +19,8 @@ from tknp_megatron.config import ModelPreset, get_preset
 from tknp_megatron.engine.config import sequence_limit_problem
 from tknp_megatron.mode import Mode
 
-__all__ = ["MODES", "EXTRA_MODES", "add_trace_flags", "mode_runs", "traces"]
+__all__ = ["MODES", "EXTRA_MODES", "add_trace_flags", "count_problems", "finite_problems", "flag_problems",
+           "layers_problem", "mode_runs", "trace_problems", "traces"]
 
 MODES = tuple(m.value for m in (Mode.TKNP, Mode.DP, Mode.TP, Mode.PP, Mode.DCP))
 EXTRA_MODES = (Mode.TKNP_DUAL.value,)  # on request: dual-active-root microbatching
@@ -58,14 +60,69 @@ def traces(args) -> Iterator[Tuple[int, int, Optional[float], wl.Workload]]:
             yield 0, args.mixed_requests, float("inf"), wl.as_burst(base)
 
 
-def trace_problems(args) -> List[str]:
-    """One line per trace whose longest request (prompt + output tokens) is over the model's
-    ``max_sequence_length``, or over ``args.max_sequence_length`` where the caller has that
-    flag (every such request would be refused: none would be served)."""
+def layers_problem(model: str, layers: Optional[int]) -> Optional[str]:
+    """What is wrong with ``--layers`` of preset ``model`` (None: fine, or not given): it
+    must be between 1 and the preset's own layer count. An unknown preset is the
+    ``--model`` check's to name, not this one's."""
+    if layers is None:
+        return None
     try:
-        preset = get_preset(args.model)
+        total = get_preset(model).num_layers
+    except ValueError:
+        return None
+    if not 1 <= layers <= total:
+        return f"--layers {layers}: must be >= 1 and <= {total} ({model}'s layers)"
+    return None
+
+
+def finite_problems(pairs) -> List[str]:
+    """One line per ``(flag, value)`` (value a number, a list of them, or None) that is not
+    a finite number > 0."""
+    out = []
+    for flag, value in pairs:
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if v is not None and not (math.isfinite(v) and v > 0):
+                out.append(f"{flag} {v}: must be > 0 and finite")
+                break
+    return out
+
+
+def count_problems(pairs, least: int = 1) -> List[str]:
+    """One line per ``(flag, value)`` (an int, a list of them, or None) below ``least``."""
+    out = []
+    for flag, value in pairs:
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if v is not None and v < least:
+                out.append(f"{flag} {v}: must be >= {least}")
+                break
+    return out
+
+
+def flag_problems(args) -> List[str]:
+    """What is wrong with the trace flags themselves (one line each), before any trace is built."""
+    try:
+        get_preset(args.model)
     except ValueError as err:  # an unknown preset, named with the known ones
         return [f"--model: {err}"]
+    out = count_problems((("--tp", args.tp), ("--contexts", args.contexts), ("--batches", args.batches),
+                          ("--output-len", args.output_len), ("--block-size", args.block_size),
+                          ("--dcp-kv-heads", args.dcp_kv_heads)))
+    out += count_problems((("--mixed-requests", args.mixed_requests),), least=0)
+    out += finite_problems((("--rates", args.rates), ("--mixed-scale", args.mixed_scale)))
+    if layers_problem(args.model, args.layers):
+        out.append(layers_problem(args.model, args.layers))
+    return out
+
+
+def trace_problems(args) -> List[str]:
+    """The :func:`flag_problems`, else one line per trace whose longest request (prompt +
+    output tokens) is over the model's ``max_sequence_length``, or over
+    ``args.max_sequence_length`` where the caller has that flag (every such request would be
+    refused: none would be served)."""
+    problems = flag_problems(args)
+    if problems:
+        return problems
+    preset = get_preset(args.model)
     cap = getattr(args, "max_sequence_length", None)
     if cap is not None and sequence_limit_problem(cap, preset):
         return [f"--max-sequence-length {cap}: {sequence_limit_problem(cap, preset)}"]
@@ -81,9 +138,13 @@ def trace_problems(args) -> List[str]:
 
 
 def run_preset(args) -> ModelPreset:
-    """The model of ``--model`` with ``--layers`` (every mode's but DCP's variant)."""
+    """The model of ``--model`` with ``--layers`` (every mode's but DCP's variant);
+    ``ValueError`` (one line) for ``--layers`` outside [1, the preset's layers]."""
     preset = get_preset(args.model)
-    return preset.replace(num_layers=args.layers) if args.layers else preset
+    problem = layers_problem(args.model, args.layers)
+    if problem:
+        raise ValueError(problem)
+    return preset.replace(num_layers=args.layers) if args.layers is not None else preset
 
 
 def mode_runs(args) -> List[Tuple[str, str, ModelPreset]]:

@@ -16,6 +16,7 @@ divided by its KV replication:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
@@ -63,7 +64,7 @@ class NodeBudget:
     kv_heads: int
 
     def __post_init__(self) -> None:
-        if self.node_gib <= 0 or self.copy_gib <= 0:
+        if not (self.node_gib > 0 and self.copy_gib > 0) or math.isinf(self.node_gib + self.copy_gib):
             raise ValueError(f"node_gib and copy_gib must be > 0: {self}")
         if self.gpus_per_node < 1 or self.kv_heads < 1:
             raise ValueError(f"gpus_per_node and kv_heads must be >= 1: {self}")

@@ -43,6 +43,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -121,12 +122,18 @@ def parse_args(argv=None):
         args.out = os.path.join(os.environ["OUT"], "bench_attention.json")
     if not 0.0 <= args.spread < 1.0:
         p.error(f"--spread {args.spread}: must be in [0, 1)")
-    args.fa3_variants = [parse_fa3_variant(v) for v in args.fa3_variants]
+    try:
+        args.fa3_variants = [parse_fa3_variant(v) for v in args.fa3_variants]
+    except SystemExit as err:  # one line, argparse's way
+        p.error(str(err))
     if args.query_len < 1 or args.query_len > min(args.ctx):
         p.error(f"--query-len {args.query_len}: must be in [1, the shortest --ctx {min(args.ctx)}]")
     if args.query_len > 1 and args.spread:
         p.error("--query-len > 1 times equal contexts: leave --spread at 0")
-    args.shapes = shapes_of(args)
+    try:
+        args.shapes = shapes_of(args)
+    except ValueError as err:  # one line naming the flag
+        p.error(str(err))
     return args
 
 
@@ -144,17 +151,26 @@ def shapes_of(args):
     if args.models:
         from tknp_megatron.config import get_preset
 
+        bad_tp = [tp for tp in args.tp if tp < 1]
+        if bad_tp:
+            raise ValueError(f"--tp {bad_tp[0]}: must be >= 1")
         for name in args.models:
-            preset = get_preset(name)
+            try:
+                preset = get_preset(name)
+            except ValueError as err:  # an unknown preset, named with the known ones
+                raise ValueError(f"--models {name}: {err}") from None
             for tp in args.tp:
                 if preset.num_attention_heads % tp:
-                    raise SystemExit(f"--tp {tp}: {name}'s {preset.num_attention_heads} heads do not split")
+                    raise ValueError(f"--tp {tp}: {name}'s {preset.num_attention_heads} heads do not split")
                 shapes.append((preset.num_attention_heads // tp, preset.local_kv_heads(tp), preset.kv_channels))
     else:
         for spec in args.heads:
-            parts = [int(x) for x in spec.split(":")]
-            if len(parts) not in (2, 3):
-                raise SystemExit(f"--heads {spec!r}: expected q_heads:kv_heads[:head_dim]")
+            try:
+                parts = [int(x) for x in spec.split(":")]
+            except ValueError:
+                parts = []
+            if len(parts) not in (2, 3) or min(parts) < 1:
+                raise ValueError(f"--heads {spec!r}: expected q_heads:kv_heads[:head_dim], each >= 1")
             shapes.append((parts[0], parts[1], parts[2] if len(parts) == 3 else args.head_dim))
     return list(dict.fromkeys(shapes))
 
@@ -675,7 +691,9 @@ def setup(args):
 
     device = torch.device("cpu" if args.dry_run else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device; use --dry-run for a CPU check")
+        print(f"{os.path.basename(sys.argv[0])}: error: no CUDA device; use --dry-run for a CPU check",
+              file=sys.stderr)
+        raise SystemExit(2)
     try:
         import flash_attn
         if not hasattr(flash_attn, "flash_attn_with_kvcache"):  # flash-attn-4 alone: no 2.x API

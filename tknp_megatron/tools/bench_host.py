@@ -53,6 +53,10 @@ def main(argv=None) -> int:
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--reps", type=int, default=50)
     args = p.parse_args(argv)
+    bad = [f"--{name} {getattr(args, name)}: must be >= 1"
+           for name in ("nodes", "reps", "batch", "context") if getattr(args, name) < 1]
+    if bad:
+        p.error("; ".join(bad))
     from tknp_megatron.executor.step_inputs import GraphStep, host_inputs, pad_plan, padded_step
     from tknp_megatron.kv_cache import KVCacheSpec, PagedKVCache
     from tknp_megatron.plan import build_plan, next_decode_plan

@@ -96,6 +96,15 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     problems = trace_layout_problems(args)
+    from tknp_megatron.analysis.bench_traces import layers_problem
+    from tknp_megatron.config import get_preset
+
+    try:
+        get_preset(args.model)
+    except ValueError as err:  # an unknown preset, named with the known ones
+        problems.append(f"--model {args.model}: {err}")
+    if layers_problem(args.model, args.layers):
+        problems.append(layers_problem(args.model, args.layers))
     if args.output_len < 1:
         problems.append(f"--output-len {args.output_len}: must be >= 1")
     if args.block_size_tokens < 1 or args.max_tokens < max(args.contexts):
@@ -298,7 +307,7 @@ def main(argv=None) -> int:
     from tknp_megatron.config import get_preset
 
     preset = get_preset(args.model)
-    if args.layers:
+    if args.layers is not None:
         preset = preset.replace(num_layers=args.layers)
     if args.fa4_single_split is None:
         args.fa4_single_split = torch.cuda.get_device_capability()[0] == 9

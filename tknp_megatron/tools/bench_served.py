@@ -76,6 +76,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.passes < 1:
         p.error(f"--passes {args.passes}: must be at least 1")
+    from tknp_megatron.analysis.bench_traces import layers_problem
+    from tknp_megatron.config import get_preset
+
+    try:
+        get_preset(args.model)
+    except ValueError as err:  # an unknown preset, named with the known ones
+        p.error(f"--model {args.model}: {err}")
+    if layers_problem(args.model, args.layers):
+        p.error(layers_problem(args.model, args.layers))
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device on this machine")
     from tknp_megatron.attention import backend_problem
 
     if backend_problem(args.attention_backend, args.device):  # before any process starts
@@ -87,7 +98,7 @@ def _preset(args):
     from tknp_megatron.config import get_preset
 
     preset = get_preset(args.model)
-    return preset.replace(num_layers=args.layers) if args.layers else preset
+    return preset.replace(num_layers=args.layers) if args.layers is not None else preset
 
 
 def make_trace(args) -> List[List[int]]:
@@ -99,7 +110,7 @@ def make_trace(args) -> List[List[int]]:
 def _engine_flags(args) -> list:
     flags = ["--nodes", str(args.nodes), "--tp", str(args.tp), "--model", args.model,
              "--device", args.device, "--seed", str(args.seed)]
-    if args.layers:
+    if args.layers is not None:
         flags += ["--layers", str(args.layers)]
     if args.kv_tokens_per_node:
         flags += ["--kv-tokens-per-node", str(args.kv_tokens_per_node)]

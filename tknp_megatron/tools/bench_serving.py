@@ -37,7 +37,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from tknp_megatron.analysis.bench_traces import add_trace_flags, mode_runs, trace_problems, traces  # noqa: E402
+from tknp_megatron.analysis.bench_traces import (  # noqa: E402
+    add_trace_flags, count_problems, finite_problems, mode_runs, trace_problems, traces)
 from tknp_megatron.config import dtype_from_name  # noqa: E402
 from tknp_megatron.launch import run_ranks  # noqa: E402
 from tknp_megatron.mode import Mode  # noqa: E402
@@ -90,7 +91,14 @@ def parse_args(argv=None):
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     problems = dense_format(args).problems(args.device)
     if not args.report_only:
+        # the counts the defaults below divide by, before they are computed
+        world = int(os.environ.get("WORLD_SIZE", args.world))
+        problems += count_problems((("--world", args.world),))
         problems += trace_problems(args)
+        if world >= 1 and args.tp >= 1 and world % args.tp:
+            problems.append(f"--tp {args.tp}: must divide the world of {world} processes")
+        problems += finite_problems((("--gpu-memory-gib", args.gpu_memory_gib),))
+        problems += count_problems((("--kv-tokens-per-node", args.kv_tokens_per_node),))
     if args.max_requests_per_node is not None and args.max_requests_per_node < 1:
         problems.append(f"--max-requests-per-node {args.max_requests_per_node}: must be >= 1")
     if args.force_dual and Mode.TKNP_DUAL.value not in args.modes:
@@ -101,6 +109,7 @@ def parse_args(argv=None):
 
     if backend_problem(args.attention_backend, args.device):
         problems.append(f"--attention-backend {backend_problem(args.attention_backend, args.device)}")
+    problems = problems or out_problems(args)  # no directory made for a refused run
     if problems:
         p.error("; ".join(problems))
     if args.kv_weight_ratio is not None:
@@ -114,6 +123,22 @@ def parse_args(argv=None):
         args.max_requests_per_node = min(256, max(len(trace.requests) for *_, trace in traces(args)))
     args.dual = {}  # trace key -> DualPolicy, decided in main before the pool starts
     return args
+
+
+def out_problems(args) -> list:
+    """Why ``--out`` cannot take the results (checked up front, made by the run); under
+    ``--report-only`` it must hold the partial.jsonl of an earlier run."""
+    out = Path(args.out)
+    if args.report_only:
+        if not (out / "partial.jsonl").is_file():
+            return [f"--out {args.out}: no partial.jsonl there to report (--report-only)"]
+        return []
+    if out.exists() and not out.is_dir():
+        return [f"--out {args.out}: is a file, not a directory"]
+    base = next(d for d in (out, *out.absolute().parents) if d.exists())  # where it would be made
+    if not base.is_dir() or not os.access(base, os.W_OK | os.X_OK):
+        return [f"--out {args.out}: cannot be made under {base}"]
+    return []
 
 
 def decide_dual(args) -> dict:

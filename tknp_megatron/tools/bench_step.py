@@ -75,6 +75,22 @@ def parse_args(argv=None):
                 else f"--transformer-impl {args.transformer_impl}")
         p.error(f"{flag}: Transformer Engine's layers run on GPUs only, not with --dry-run (local layers)")
     problems = [] if args.dry_run else dense.problems("cuda")
+    from tknp_megatron.analysis.bench_traces import layers_problem
+    from tknp_megatron.config import get_preset
+
+    try:
+        get_preset(args.model)
+    except ValueError as err:  # an unknown preset, named with the known ones
+        problems.insert(0, f"--model {args.model}: {err}")
+    if layers_problem(args.model, args.layers):
+        problems.append(layers_problem(args.model, args.layers))
+    for flag, value in (("--tp", [args.tp]), ("--batches", args.batches), ("--contexts", args.contexts),
+                        ("--block-size", [args.block_size]), ("--reps", [args.reps])):
+        bad = [v for v in value if v < 1]
+        if bad:
+            problems.append(f"{flag} {bad[0]}: must be >= 1")
+    if not args.dry_run and not torch.cuda.is_available():
+        problems.append("no CUDA device on this machine (--dry-run runs on CPU)")
     if problems:
         p.error("; ".join(problems))
     return args
@@ -383,11 +399,13 @@ def summarize(rows_by_rank, layers: int, preset=None, tp: int = 1, weight_elem: 
     return out
 
 
-def main():
+def main(argv=None):
     warnings.simplefilter("ignore")
-    args = parse_args()
-    if args.dry_run:
-        dist.init_process_group("gloo")
+    args = parse_args(argv)
+    if args.dry_run:  # under torchrun its world, else a world of one
+        from tknp_megatron.launch import init_tool_process
+
+        init_tool_process("cpu")
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl")

@@ -168,8 +168,10 @@ def _preset(args):
     except ValueError as exc:
         raise ValueError(f"--model {args.model}: {exc}") from None
     if args.layers is not None:
-        if args.layers < 1:
-            raise ValueError(f"--layers {args.layers}: must be >= 1")
+        from tknp_megatron.analysis.bench_traces import layers_problem
+
+        if layers_problem(args.model, args.layers):
+            raise ValueError(layers_problem(args.model, args.layers))
         preset = preset.replace(num_layers=args.layers)
     unlike = [what for what, bad in (
         ("a gated SiLU MLP", not preset.gated or preset.activation is not Activation.SILU),

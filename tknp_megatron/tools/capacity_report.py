@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import List, Optional
 
+from tknp_megatron.analysis.bench_traces import count_problems, finite_problems  # noqa: E402
 from tknp_megatron.analysis.costmodel import (  # noqa: E402
     Capacity,
     NodeBudget,
@@ -31,6 +33,8 @@ from tknp_megatron.analysis.costmodel import (  # noqa: E402
 from tknp_megatron.config import get_preset  # noqa: E402
 from tknp_megatron.mode import Mode  # noqa: E402
 from tknp_megatron.placement import ModelBytes, model_bytes  # noqa: E402
+
+PROG = "capacity_report.py"
 
 FP8_RECIPES = {
     # every linear weight in FP8; norms, embedding and output layer in BF16
@@ -54,8 +58,20 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--dp-kv-gib", type=float, help="measured KV left on one DP node")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
+    problems = []
+    try:
+        get_preset(args.model)
+    except ValueError as err:  # an unknown preset, named with the known ones
+        problems.append(f"--model {args.model}: {err}")
+    problems += count_problems((("--nodes", args.nodes), ("--tp", args.tp)))
+    problems += finite_problems((("--gpu-memory-gib", args.gpu_memory_gib), ("--mem-util", args.mem_util),
+                                 ("--weights-gib", args.weights_gib), ("--dp-kv-gib", args.dp_kv_gib)))
+    if not (math.isfinite(args.reserve_gib) and args.reserve_gib >= 0):
+        problems.append(f"--reserve-gib {args.reserve_gib}: must be a finite number >= 0")
     if (args.weights_gib is None) != (args.dp_kv_gib is None):
-        p.error("--weights-gib and --dp-kv-gib go together")
+        problems.append("--weights-gib and --dp-kv-gib go together")
+    if problems:
+        p.error("; ".join(problems))
     return args
 
 
@@ -131,7 +147,11 @@ def to_table(args: argparse.Namespace, caps: List[Capacity]) -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
-    caps = capacities(args)
+    try:
+        caps = capacities(args)
+    except ValueError as err:  # the cost model refuses the flags' numbers (one line)
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
     print(json.dumps(to_json(args, caps)) if args.json else to_table(args, caps))
     return 0
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import warnings
 from typing import Dict, List
@@ -97,6 +98,24 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "per layer (EngineConfig.fused_rope)")
     p.add_argument("--out", default=None, metavar="FILE")
     args = p.parse_args(argv)
+    from tknp_megatron.analysis.bench_traces import layers_problem
+    from tknp_megatron.config import get_preset
+
+    problems = []
+    for flag, name in (("--model", args.model), ("--capacity-model", args.capacity_model),
+                       ("--dense-model", args.dense_model)):
+        try:
+            get_preset(name)
+        except ValueError as err:  # an unknown preset, named with the known ones
+            problems.append(f"{flag} {name}: {err}")
+    for flag, model, layers in (("--layers", args.model, args.layers),
+                                ("--capacity-layers", args.capacity_model, args.capacity_layers)):
+        if layers_problem(model, layers):
+            problems.append(layers_problem(model, layers).replace("--layers", flag, 1))
+    if args.device == "cuda" and not torch.cuda.is_available():
+        problems.append("--device cuda: no CUDA device on this machine (--device cpu runs the token parts)")
+    if problems:
+        p.error("; ".join(problems))
     if args.device == "cpu":
         args.formats = ["local"]
         args.parts = [p for p in args.parts if p in ("tokens", "modes", "dcp")]
@@ -423,6 +442,17 @@ def main(argv=None) -> int:
             with open(args.out, "w", encoding="utf-8") as f:
                 json.dump(out, f, indent=1)
     _print_tables(out)
+    failed = [part for part, rows in out.items() if isinstance(rows, dict) and "error" in rows]
+    if failed:  # the tables are printed; the exit status says a part failed
+        print(f"check_fp8: failed: {', '.join(failed)}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if device.type == "cuda":
+            os._exit(1)  # as end_tool_process: NCCL's teardown can hang
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+        return 1
     return end_tool_process(device)
 
 

@@ -24,7 +24,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from tknp_megatron.analysis.bench_traces import add_trace_flags, mode_runs, run_preset, traces
+from tknp_megatron.analysis.bench_traces import (add_trace_flags, count_problems, mode_runs, run_preset,
+                                                 trace_problems, traces)
 from tknp_megatron.analysis.simulator import H200_CALIBRATION, SIMULATED, Calibration, simulate
 
 PROG = "simulate_pool.py"
@@ -67,6 +68,10 @@ def check(args) -> None:
                         ("--block-size", args.block_size)):
         if value < 1:
             problems.append(f"{flag} {value}: must be at least 1")
+    problems += count_problems((("--max-requests-per-node", args.max_requests_per_node),))
+    if not args.paper:  # the trace flags (--model, --layers, --contexts, --rates, ...) and the traces
+        problems += [line for line in trace_problems(args) if line.split(" ")[0] not in
+                     ("--tp", "--output-len", "--block-size")]  # those named above
     if args.world >= 1 and args.tp >= 1 and args.world % args.tp:
         problems.append(f"--tp {args.tp}: must divide --world {args.world}")
     if args.paper_batches and not args.paper:
@@ -82,21 +87,53 @@ def check(args) -> None:
         problems.append("--kv-tokens-per-node: required (or --gpu-memory-gib, --kv-weight-ratio, "
                         "or --replay a measured run)")
     for flag, value in (("--gpu-memory-gib", args.gpu_memory_gib), ("--kv-weight-ratio", args.kv_weight_ratio)):
-        if value is not None and not value > 0:
-            problems.append(f"{flag} {value}: must be > 0")
+        if value is not None and not (math.isfinite(value) and value > 0):
+            problems.append(f"{flag} {value}: must be > 0 and finite")
     if args.kv_tokens_per_node is not None and args.kv_tokens_per_node < args.block_size:
         problems.append(f"--kv-tokens-per-node {args.kv_tokens_per_node}: must hold at least one "
                         f"block of {args.block_size}")
-    if args.replay is not None and not (Path(args.replay) / "results.json").is_file():
-        problems.append(f"--replay {args.replay}: no results.json there")
+    if args.replay is not None:
+        problem = _replay_problem(args)
+        if problem:
+            problems.append(problem)
+    if args.json is not None and not Path(args.json).resolve().parent.is_dir():
+        problems.append(f"--json {args.json}: no directory {Path(args.json).resolve().parent} to write it in")
     if problems:
         raise FlagError("; ".join(problems))
+
+
+_ROW_KEYS = ("mode", "context", "offered_batch", "arrival_rate", "kv_capacity_tokens",
+             "completion_throughput_tok_s", "waves")
+
+
+def _replay_problem(args):
+    """What is wrong with ``--replay``'s results.json (None: it holds rows to replay)."""
+    path = Path(args.replay) / "results.json"
+    if not path.is_file():
+        return f"--replay {args.replay}: no results.json there"
+    try:
+        _measured(args)
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError, IndexError, AttributeError) as err:
+        kind = "not JSON" if isinstance(err, json.JSONDecodeError) else f"malformed ({err.args[0] if err.args else type(err).__name__})"
+        return f"--replay {args.replay}: results.json is {kind}"
+    return None
 
 
 def _measured(args) -> dict:
     """``(mode label, context, batch, rate) -> row`` of the replayed run."""
     rows = json.loads((Path(args.replay) / "results.json").read_text())["rows"]
-    return {(r["mode"].lower(), r["context"], r["offered_batch"], r["arrival_rate"]): r for r in rows}
+    if not isinstance(rows, list):
+        raise TypeError("'rows' is not a list")
+    out = {}
+    for r in rows:
+        missing = [k for k in _ROW_KEYS if k not in r] if isinstance(r, dict) else ["a JSON object"]
+        if missing:
+            raise KeyError(f"a row without {', '.join(missing)}")
+        if not (isinstance(r["completion_throughput_tok_s"], (int, float)) and r["completion_throughput_tok_s"] > 0):
+            raise ValueError(f"completion_throughput_tok_s {r['completion_throughput_tok_s']!r} is not > 0")
+        min(r["kv_capacity_tokens"][0])
+        out[(r["mode"].lower(), r["context"], r["offered_batch"], r["arrival_rate"])] = r
+    return out
 
 
 def run(args) -> list:

@@ -40,7 +40,37 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-tokens-per-node", type=int, default=None, help="KV budget (CPU)")
     p.add_argument("--world", type=int, default=2, help="processes when not under torchrun")
     p.add_argument("--out", default=None, metavar="FILE", help="write the rows here (JSON)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    problem = expected_problem(args.expected)
+    if not os.path.isdir(args.load):
+        p.error(f"--load {args.load}: not a directory")
+    if problem:
+        p.error(f"--expected {args.expected}: {problem}")
+    for flag, value in (("--tp", args.tp), ("--world", args.world)):
+        if value < 1:
+            p.error(f"{flag} {value}: must be >= 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device on this machine")
+    return args
+
+
+def expected_problem(path: str):
+    """What is wrong with the ``--expected`` file (None: it holds ``prompts`` and ``tokens``,
+    lists of token-id lists of the same length)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as err:
+        return f"cannot read it ({err.strerror or err})"
+    except ValueError as err:
+        return f"not JSON ({err})"
+    if not isinstance(data, dict) or not all(isinstance(data.get(k), list) for k in ("prompts", "tokens")):
+        return 'must be a JSON object with "prompts" and "tokens" lists'
+    if len(data["prompts"]) != len(data["tokens"]):
+        return f"{len(data['prompts'])} prompts but {len(data['tokens'])} token lists"
+    if not all(isinstance(x, list) for x in data["prompts"] + data["tokens"]):
+        return "each prompt and each token list must be a list of token ids"
+    return None
 
 
 def _generate(mode: Mode, args, source, prompts, lengths, device) -> Dict[int, List[int]]:

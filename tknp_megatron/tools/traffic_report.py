@@ -15,8 +15,11 @@ import json
 import sys
 from typing import List, Optional, Union
 
+from tknp_megatron.analysis.bench_traces import count_problems  # noqa: E402
 from tknp_megatron.analysis.costmodel import KIB, MIB, LayerTraffic, layer_traffic  # noqa: E402
 from tknp_megatron.config import get_preset  # noqa: E402
+
+PROG = "traffic_report.py"
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -28,7 +31,19 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--dtype-bytes", type=int, default=2, help="bytes per activation element")
     p.add_argument("--root", type=int, default=0, help="active root node")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    problems = []
+    try:
+        get_preset(args.model)
+    except ValueError as err:  # an unknown preset, named with the known ones
+        problems.append(f"--model {args.model}: {err}")
+    problems += count_problems((("--nodes", args.nodes), ("--tp", args.tp), ("--batch", args.batch),
+                                ("--dtype-bytes", args.dtype_bytes)))
+    if args.nodes >= 1 and not 0 <= args.root < args.nodes:
+        problems.append(f"--root {args.root}: must be in [0, --nodes {args.nodes})")
+    if problems:
+        p.error("; ".join(problems))
+    return args
 
 
 def _num(x: float) -> Union[int, float]:
@@ -70,9 +85,13 @@ def to_table(args: argparse.Namespace, t: LayerTraffic) -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
-    traffic = layer_traffic(
-        get_preset(args.model), args.nodes, args.tp, args.batch, args.dtype_bytes, root=args.root
-    )
+    try:
+        traffic = layer_traffic(
+            get_preset(args.model), args.nodes, args.tp, args.batch, args.dtype_bytes, root=args.root
+        )
+    except ValueError as err:  # the cost model refuses the flags' numbers (one line)
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
     print(json.dumps(to_json(args, traffic)) if args.json else to_table(args, traffic))
     return 0
 
