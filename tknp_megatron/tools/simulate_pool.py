@@ -114,8 +114,9 @@ def _replay_problem(args):
     try:
         _measured(args)
     except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError, IndexError, AttributeError) as err:
-        kind = "not JSON" if isinstance(err, json.JSONDecodeError) else f"malformed ({err.args[0] if err.args else type(err).__name__})"
-        return f"--replay {args.replay}: results.json is {kind}"
+        why = err.args[0] if err.args else type(err).__name__
+        return f"--replay {args.replay}: results.json is " + (
+            "not JSON" if isinstance(err, json.JSONDecodeError) else f"malformed ({why})")
     return None
 
 
@@ -131,7 +132,9 @@ def _measured(args) -> dict:
             raise KeyError(f"a row without {', '.join(missing)}")
         if not (isinstance(r["completion_throughput_tok_s"], (int, float)) and r["completion_throughput_tok_s"] > 0):
             raise ValueError(f"completion_throughput_tok_s {r['completion_throughput_tok_s']!r} is not > 0")
-        min(r["kv_capacity_tokens"][0])
+        caps = r["kv_capacity_tokens"]
+        if not (isinstance(caps, list) and caps and isinstance(caps[0], list) and caps[0]):
+            raise ValueError(f"kv_capacity_tokens {caps!r} is not a list of per-node capacities")
         out[(r["mode"].lower(), r["context"], r["offered_batch"], r["arrival_rate"])] = r
     return out
 
