@@ -49,7 +49,7 @@ CASES = [
 ]
 if not CUDA:
     CASES += [
-        ("bench_step", "parse_args", ["--model", "tiny", "--layers", "2"], "no CUDA device on this machine"),
+        ("bench_step", "main", ["--model", "tiny", "--layers", "2"], "no CUDA device on this machine"),
         ("bench_served", "parse_args", ["--device", "cuda"], "--device cuda: no CUDA device"),
         ("check_fp8", "parse_args", ["--model", "tiny"], "--device cuda: no CUDA device"),
         ("token_agreement", "parse_args", ["--load", "{tmp}", "--expected", "{even}"], "--device cuda: no CUDA"),

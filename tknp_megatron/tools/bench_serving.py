@@ -95,7 +95,8 @@ def parse_args(argv=None):
         world = int(os.environ.get("WORLD_SIZE", args.world))
         problems += count_problems((("--world", args.world),))
         problems += trace_problems(args)
-        if world >= 1 and args.tp >= 1 and world % args.tp:
+        known = "WORLD_SIZE" in os.environ or args.device == "cpu"  # else torchrun's, not known yet
+        if known and world >= 1 and args.tp >= 1 and world % args.tp:
             problems.append(f"--tp {args.tp}: must divide the world of {world} processes")
         problems += finite_problems((("--gpu-memory-gib", args.gpu_memory_gib),))
         problems += count_problems((("--kv-tokens-per-node", args.kv_tokens_per_node),))

@@ -89,8 +89,6 @@ def parse_args(argv=None):
         bad = [v for v in value if v < 1]
         if bad:
             problems.append(f"{flag} {bad[0]}: must be >= 1")
-    if not args.dry_run and not torch.cuda.is_available():
-        problems.append("no CUDA device on this machine (--dry-run runs on CPU)")
     if problems:
         p.error("; ".join(problems))
     return args
@@ -402,6 +400,9 @@ def summarize(rows_by_rank, layers: int, preset=None, tp: int = 1, weight_elem: 
 def main(argv=None):
     warnings.simplefilter("ignore")
     args = parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        print("bench_step: error: no CUDA device on this machine (--dry-run runs on CPU)", file=sys.stderr)
+        return 2
     if args.dry_run:  # under torchrun its world, else a world of one
         from tknp_megatron.launch import init_tool_process
 
@@ -468,4 +469,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
