@@ -20,7 +20,7 @@ from tknp_megatron.engine.config import sequence_limit_problem
 from tknp_megatron.mode import Mode
 
 __all__ = ["MODES", "EXTRA_MODES", "add_trace_flags", "count_problems", "finite_problems", "flag_problems",
-           "layers_problem", "mode_runs", "trace_problems", "traces"]
+           "layers_problem", "model_problems", "mode_runs", "trace_problems", "traces"]
 
 MODES = tuple(m.value for m in (Mode.TKNP, Mode.DP, Mode.TP, Mode.PP, Mode.DCP))
 EXTRA_MODES = (Mode.TKNP_DUAL.value,)  # on request: dual-active-root microbatching
@@ -73,6 +73,17 @@ def layers_problem(model: str, layers: Optional[int]) -> Optional[str]:
     if not 1 <= layers <= total:
         return f"--layers {layers}: must be >= 1 and <= {total} ({model}'s layers)"
     return None
+
+
+def model_problems(model: str, layers: Optional[int] = None, flag: str = "--model") -> List[str]:
+    """``[]``, or one line: the preset ``model`` unknown (named with the known ones), else
+    ``--layers`` outside it (:func:`layers_problem`)."""
+    try:
+        get_preset(model)
+    except ValueError as err:
+        return [f"{flag} {model}: {err}"]
+    problem = layers_problem(model, layers)
+    return [problem] if problem else []
 
 
 def finite_problems(pairs) -> List[str]:

@@ -96,15 +96,9 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     problems = trace_layout_problems(args)
-    from tknp_megatron.analysis.bench_traces import layers_problem
-    from tknp_megatron.config import get_preset
+    from tknp_megatron.analysis.bench_traces import model_problems
 
-    try:
-        get_preset(args.model)
-    except ValueError as err:  # an unknown preset, named with the known ones
-        problems.append(f"--model {args.model}: {err}")
-    if layers_problem(args.model, args.layers):
-        problems.append(layers_problem(args.model, args.layers))
+    problems += model_problems(args.model, args.layers)
     if args.output_len < 1:
         problems.append(f"--output-len {args.output_len}: must be >= 1")
     if args.block_size_tokens < 1 or args.max_tokens < max(args.contexts):

@@ -76,15 +76,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.passes < 1:
         p.error(f"--passes {args.passes}: must be at least 1")
-    from tknp_megatron.analysis.bench_traces import layers_problem
-    from tknp_megatron.config import get_preset
+    from tknp_megatron.analysis.bench_traces import model_problems
 
-    try:
-        get_preset(args.model)
-    except ValueError as err:  # an unknown preset, named with the known ones
-        p.error(f"--model {args.model}: {err}")
-    if layers_problem(args.model, args.layers):
-        p.error(layers_problem(args.model, args.layers))
+    for problem in model_problems(args.model, args.layers):
+        p.error(problem)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device on this machine")
     from tknp_megatron.attention import backend_problem

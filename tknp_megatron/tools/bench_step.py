@@ -75,15 +75,9 @@ def parse_args(argv=None):
                 else f"--transformer-impl {args.transformer_impl}")
         p.error(f"{flag}: Transformer Engine's layers run on GPUs only, not with --dry-run (local layers)")
     problems = [] if args.dry_run else dense.problems("cuda")
-    from tknp_megatron.analysis.bench_traces import layers_problem
-    from tknp_megatron.config import get_preset
+    from tknp_megatron.analysis.bench_traces import model_problems
 
-    try:
-        get_preset(args.model)
-    except ValueError as err:  # an unknown preset, named with the known ones
-        problems.insert(0, f"--model {args.model}: {err}")
-    if layers_problem(args.model, args.layers):
-        problems.append(layers_problem(args.model, args.layers))
+    problems = model_problems(args.model, args.layers) + problems
     for flag, value in (("--tp", [args.tp]), ("--batches", args.batches), ("--contexts", args.contexts),
                         ("--block-size", [args.block_size]), ("--reps", [args.reps])):
         bad = [v for v in value if v < 1]

@@ -21,7 +21,7 @@ import math
 import sys
 from typing import List, Optional
 
-from tknp_megatron.analysis.bench_traces import count_problems, finite_problems  # noqa: E402
+from tknp_megatron.analysis.bench_traces import count_problems, finite_problems, model_problems  # noqa: E402
 from tknp_megatron.analysis.costmodel import (  # noqa: E402
     Capacity,
     NodeBudget,
@@ -58,11 +58,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--dp-kv-gib", type=float, help="measured KV left on one DP node")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
-    problems = []
-    try:
-        get_preset(args.model)
-    except ValueError as err:  # an unknown preset, named with the known ones
-        problems.append(f"--model {args.model}: {err}")
+    problems = model_problems(args.model)
     problems += count_problems((("--nodes", args.nodes), ("--tp", args.tp)))
     problems += finite_problems((("--gpu-memory-gib", args.gpu_memory_gib), ("--mem-util", args.mem_util),
                                  ("--weights-gib", args.weights_gib), ("--dp-kv-gib", args.dp_kv_gib)))

@@ -98,16 +98,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "per layer (EngineConfig.fused_rope)")
     p.add_argument("--out", default=None, metavar="FILE")
     args = p.parse_args(argv)
-    from tknp_megatron.analysis.bench_traces import layers_problem
-    from tknp_megatron.config import get_preset
+    from tknp_megatron.analysis.bench_traces import layers_problem, model_problems
 
     problems = []
     for flag, name in (("--model", args.model), ("--capacity-model", args.capacity_model),
                        ("--dense-model", args.dense_model)):
-        try:
-            get_preset(name)
-        except ValueError as err:  # an unknown preset, named with the known ones
-            problems.append(f"{flag} {name}: {err}")
+        problems += model_problems(name, flag=flag)
     for flag, model, layers in (("--layers", args.model, args.layers),
                                 ("--capacity-layers", args.capacity_model, args.capacity_layers)):
         if layers_problem(model, layers):

@@ -15,7 +15,7 @@ import json
 import sys
 from typing import List, Optional, Union
 
-from tknp_megatron.analysis.bench_traces import count_problems  # noqa: E402
+from tknp_megatron.analysis.bench_traces import count_problems, model_problems  # noqa: E402
 from tknp_megatron.analysis.costmodel import KIB, MIB, LayerTraffic, layer_traffic  # noqa: E402
 from tknp_megatron.config import get_preset  # noqa: E402
 
@@ -32,11 +32,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--root", type=int, default=0, help="active root node")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
-    problems = []
-    try:
-        get_preset(args.model)
-    except ValueError as err:  # an unknown preset, named with the known ones
-        problems.append(f"--model {args.model}: {err}")
+    problems = model_problems(args.model)
     problems += count_problems((("--nodes", args.nodes), ("--tp", args.tp), ("--batch", args.batch),
                                 ("--dtype-bytes", args.dtype_bytes)))
     if args.nodes >= 1 and not 0 <= args.root < args.nodes:
