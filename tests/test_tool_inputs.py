@@ -106,3 +106,17 @@ def test_check_fp8_fails_when_a_part_fails(monkeypatch, capsys):
     monkeypatch.setattr(fp8, "tokens_part", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
     assert fp8.main(["--device", "cpu", "--model", "tiny", "--layers", "1", "--parts", "tokens"]) == 1
     assert "failed: tokens" in capsys.readouterr().err
+
+
+def test_check_fp8_sizes_its_cpu_cache_in_whole_blocks(monkeypatch, capsys, tmp_path):
+    """One request of 4 + 3 tokens: less than one KV block of tokens, so the CPU budget is
+    each request's tokens rounded up to whole blocks, not their bare sum."""
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.setenv(name, "0")
+        monkeypatch.delenv(name)
+    fp8 = _tool("check_fp8")
+    out = tmp_path / "check.json"
+    assert fp8.main(["--device", "cpu", "--model", "tiny", "--layers", "1", "--requests", "1",
+                     "--prompt-len", "4", "--output-len", "3", "--parts", "modes", "--out", str(out)]) == 0
+    modes = {r["mode"]: r["vs_tknp_eager"]["token_agreement"] for r in json.loads(out.read_text())["modes"]}
+    assert modes == {"tknp": 1.0, "dp": 1.0, "tp": 1.0, "pp": 1.0}

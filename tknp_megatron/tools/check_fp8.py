@@ -163,8 +163,9 @@ def _engine_tokens(work: _Work, mode, groups, fmt, device, dtype, args, cuda_gra
     from tknp_megatron.sampling import SamplingParams
 
     kv = None
-    if device.type != "cuda":
-        kv = sum(len(p) + n for p, n in zip(work.prompts, work.lengths))
+    if device.type != "cuda":  # every request's tokens resident at once, each in whole blocks
+        block = EngineConfig.block_size
+        kv = sum(-(-(len(p) + n) // block) * block for p, n in zip(work.prompts, work.lengths))
     config = EngineConfig(kv_tokens_per_node=kv, gpu_memory_cap_gib=args.gpu_memory_cap_gib,
                           record_logits=not cuda_graphs, cuda_graphs=cuda_graphs,
                           fused_elementwise=False if args.no_fused_elementwise else None,
