@@ -55,6 +55,7 @@ from job_inputs import (  # noqa: E402
     rank_device,
 )
 
+from tknp_megatron.cli import ArgumentParser  # noqa: E402
 from tknp_megatron.config import dtype_from_name  # noqa: E402
 from tknp_megatron.launch import init_distributed, spawn  # noqa: E402
 from tknp_megatron.models.source import (  # noqa: E402
@@ -66,11 +67,12 @@ from tknp_megatron.models.source import (  # noqa: E402
 )
 from tknp_megatron.models.tokenizer import Tokenizer  # noqa: E402
 
+
 PROG = "run_tknp_decode.py"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    p = ArgumentParser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--nodes", type=int, default=2, help="token-parallel nodes N")
     p.add_argument("--tp", type=int, default=2, help="TP ranks per node T")

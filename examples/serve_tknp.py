@@ -55,6 +55,7 @@ from job_inputs import (  # noqa: E402
 )
 
 from tknp_megatron.attention import backend_problem  # noqa: E402
+from tknp_megatron.cli import ArgumentParser  # noqa: E402
 from tknp_megatron.config import dtype_from_name  # noqa: E402
 from tknp_megatron.engine.config import sequence_limit_problem  # noqa: E402
 from tknp_megatron.launch import init_distributed, supervise  # noqa: E402
@@ -71,7 +72,7 @@ PROG = "serve_tknp.py"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    p = ArgumentParser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--nodes", type=int, default=2, help="token-parallel nodes N per pool")
     p.add_argument("--tp", type=int, default=2, help="TP ranks per node T")

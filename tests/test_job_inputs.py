@@ -216,3 +216,13 @@ def test_progress_lines_on_a_terminal_only():
     assert "TKNP: 4/4 requests" in shown and "reference: 4/4 requests" in shown
     assert "TKNP:" not in _run_with_tty_stderr("--quiet", "--no-reference")
     # piped stderr (not a terminal) shows none: checked on every run of tests/test_main_job.py
+
+
+def test_a_flag_argparse_refuses_is_one_line_too(job, capsys, monkeypatch):
+    """argparse's own refusals (a value of the wrong type) come without its usage lines."""
+    monkeypatch.setattr(job, "spawn", _no_pool)
+    with pytest.raises(SystemExit) as exc:
+        job.main(["--nodes", "two"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "run_tknp_decode.py: error: argument --nodes: invalid int value: 'two'"]

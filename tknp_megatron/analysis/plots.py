@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
+from tknp_megatron.cli import ArgumentParser
+
+
 __all__ = [
     "ModeResult",
     "MODE_ORDER",
@@ -289,7 +292,7 @@ def plot_slo_vs_rate(rows: Sequence[ModeResult], path: PathLike,
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Path]:
     """``python -m tknp_megatron.analysis.plots rows.json --out DIR``: every figure the rows allow."""
-    p = argparse.ArgumentParser(description="Paper-style figures from result rows.")
+    p = ArgumentParser(description="Paper-style figures from result rows.")
     p.add_argument("rows", help="JSON or CSV of ModeResult rows")
     p.add_argument("--out", default=".", help="output folder")
     args = p.parse_args(argv)

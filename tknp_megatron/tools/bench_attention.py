@@ -47,13 +47,16 @@ import sys
 import time
 from pathlib import Path
 
+from tknp_megatron.cli import ArgumentParser
+
+
 PAGE_ORDERS = ("in-order", "interleaved", "shuffled")  # as attention/testing.py's (imported late)
 LIBRARIES = ("fa3", "fa4")  # the paged backends of other libraries, timed where they are there
 COLUMNS = ["B", "ctx", "hq/hkv/d", "triton_us", "triton_TBps", "pct_of_copy", "sdpa_us", "sdpa_TBps", "copy_TBps", "rel_err"]
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, nargs="+", default=[8, 32, 128])
     p.add_argument("--ctx", type=int, nargs="+", default=[4096, 32768, 131072])
     p.add_argument("--heads", nargs="+", default=["16:1", "8:1"],

@@ -39,6 +39,7 @@ from typing import List
 import torch
 import torch.distributed as dist
 
+from tknp_megatron.cli import ArgumentParser
 from tknp_megatron.executor.dense import finish_layer, qkv_projection
 
 __all__ = ["DenseRow", "read_bandwidth", "dense_row", "main"]
@@ -73,7 +74,7 @@ class DenseRow:
 def parse_args(argv=None) -> argparse.Namespace:
     from tknp_megatron.tools.check_fp8 import FORMATS
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="llama3.1-70b", help="preset whose layer geometry is timed")
     p.add_argument("--formats", nargs="+", default=["local"], choices=list(FORMATS))
     p.add_argument("--batches", type=int, nargs="+", default=[16, 32, 64, 128])

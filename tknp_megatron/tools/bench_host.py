@@ -19,6 +19,9 @@ import warnings
 
 import torch
 
+from tknp_megatron.cli import ArgumentParser
+
+
 
 def _requests(batch: int, context: int, nodes: int):
     from tknp_megatron.engine.request import Request, RequestTimeline
@@ -47,7 +50,7 @@ def _time_ms(fn, reps: int, rounds: int = 5) -> float:
 
 def main(argv=None) -> int:
     warnings.simplefilter("ignore")
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--nodes", type=int, default=2)

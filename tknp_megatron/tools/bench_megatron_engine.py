@@ -47,6 +47,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import List, Optional
 
+from tknp_megatron.cli import ArgumentParser
+
+
 __all__ = ["PeerRow", "kv_buffer_gib", "replica_requests", "trace_layout_problems", "main"]
 
 
@@ -76,7 +79,7 @@ class PeerRow:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama3.1-70b")
     p.add_argument("--layers", type=int, default=None, help="stack this many of the preset's layers")
     p.add_argument("--contexts", type=int, nargs="+", default=[8192], help="prompt tokens per request")

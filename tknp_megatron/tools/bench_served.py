@@ -39,12 +39,15 @@ from typing import List
 
 import torch
 
+from tknp_megatron.cli import ArgumentParser
+
+
 ROOT = Path(__file__).resolve().parents[2]
 SERVE = ROOT / "examples" / "serve_tknp.py"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     # (flag names must not prefix torchrun's own: it reads them after the script too)
     p.add_argument("--gpus", type=int, default=2, help="processes (GPUs): nodes x tp")

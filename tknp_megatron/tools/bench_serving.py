@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from tknp_megatron.analysis.bench_traces import (  # noqa: E402
     add_trace_flags, count_problems, finite_problems, mode_runs, trace_problems, traces)
+from tknp_megatron.cli import ArgumentParser  # noqa: E402
 from tknp_megatron.config import dtype_from_name  # noqa: E402
 from tknp_megatron.launch import run_ranks  # noqa: E402
 from tknp_megatron.mode import Mode  # noqa: E402
@@ -46,7 +47,7 @@ from tknp_megatron.mode import Mode  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_trace_flags(p)
     p.add_argument("--gpu-memory-gib", type=float, default=None, help="per-GPU memory cap")
     p.add_argument("--kv-weight-ratio", type=float, default=None, metavar="R",

@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from tknp_megatron.cli import ArgumentParser  # noqa: E402
 from tknp_megatron.executor.dense import finish_layer, qkv_projection, vocab_logits  # noqa: E402
 from tknp_megatron.models.precision import dense_autocast  # noqa: E402
 from tknp_megatron.plan import RequestColumns, StepPlan  # noqa: E402
@@ -41,7 +42,7 @@ from tknp_megatron.profiler import PhaseTimer, PhaseTimes  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="llama3.1-70b")
     p.add_argument("--layers", type=int, default=8, help="layers of the preset to stack")
     p.add_argument("--tp", type=int, default=1, help="GPUs per node (TP within each node's root)")

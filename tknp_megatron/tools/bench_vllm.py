@@ -52,6 +52,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import List, Optional
 
+from tknp_megatron.cli import ArgumentParser
 from tknp_megatron.tools.bench_megatron_engine import (  # the same DP split and checks
     replica_requests,
     trace_layout_problems,
@@ -111,7 +112,7 @@ class VllmRow:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama3.1-70b", help="a Llama-architecture preset of tknp_megatron.config")
     p.add_argument("--layers", type=int, default=None, help="stack this many of the preset's layers")
     p.add_argument("--contexts", type=int, nargs="+", default=[8192], help="prompt tokens per request")

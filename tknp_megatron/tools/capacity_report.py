@@ -30,6 +30,7 @@ from tknp_megatron.analysis.costmodel import (  # noqa: E402
     kv_capacity,
     placement_shares,
 )
+from tknp_megatron.cli import ArgumentParser  # noqa: E402
 from tknp_megatron.config import get_preset  # noqa: E402
 from tknp_megatron.mode import Mode  # noqa: E402
 from tknp_megatron.placement import ModelBytes, model_bytes  # noqa: E402
@@ -45,7 +46,7 @@ FP8_RECIPES = {
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="llama3.1-405b", help="preset name, e.g. llama3.1-405b")
     p.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--tp", type=int, default=8, help="GPUs per node (intra-node TP)")

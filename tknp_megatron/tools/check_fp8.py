@@ -53,6 +53,7 @@ from typing import Dict, List
 
 import torch
 
+from tknp_megatron.cli import ArgumentParser
 from tknp_megatron.models.precision import DenseFormat
 
 FORMATS: Dict[str, DenseFormat] = {
@@ -67,7 +68,7 @@ FORMATS: Dict[str, DenseFormat] = {
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--formats", nargs="+", default=["local", "te", "fp8", "fp8-blockwise"],
                    choices=list(FORMATS))
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")

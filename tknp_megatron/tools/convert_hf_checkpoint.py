@@ -28,6 +28,9 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from tknp_megatron.cli import ArgumentParser
+
+
 PROG = "convert_hf_checkpoint"
 
 
@@ -49,7 +52,7 @@ def output_problem(out: str, force: bool) -> Optional[str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--hf", required=True, help="HF folder with config.json + *.safetensors")
     parser.add_argument("--out", required=True, help="output checkpoint directory (new or empty)")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),

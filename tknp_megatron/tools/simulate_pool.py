@@ -27,6 +27,8 @@ from pathlib import Path
 from tknp_megatron.analysis.bench_traces import (add_trace_flags, count_problems, mode_runs, run_preset,
                                                  trace_problems, traces)
 from tknp_megatron.analysis.simulator import H200_CALIBRATION, SIMULATED, Calibration, simulate
+from tknp_megatron.cli import ArgumentParser
+
 
 PROG = "simulate_pool.py"
 MODES = tuple(m.value for m in SIMULATED)
@@ -37,7 +39,7 @@ class FlagError(ValueError):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_trace_flags(p, MODES)
     p.add_argument("--world", type=int, default=2, help="GPUs in the pool (TKNP: nodes x --tp)")
     p.add_argument("--kv-tokens-per-node", type=int, default=None,

@@ -24,12 +24,13 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
+from tknp_megatron.cli import ArgumentParser
 from tknp_megatron.launch import run_ranks
 from tknp_megatron.mode import Mode
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--load", required=True, metavar="DIR", help="Megatron torch_dist checkpoint "
                    "(with model_config.json or Megatron-LM's stored args)")
     p.add_argument("--expected", required=True, metavar="FILE", help="prompts and expected tokens")

@@ -17,13 +17,14 @@ from typing import List, Optional, Union
 
 from tknp_megatron.analysis.bench_traces import count_problems, model_problems  # noqa: E402
 from tknp_megatron.analysis.costmodel import KIB, MIB, LayerTraffic, layer_traffic  # noqa: E402
+from tknp_megatron.cli import ArgumentParser  # noqa: E402
 from tknp_megatron.config import get_preset  # noqa: E402
 
 PROG = "traffic_report.py"
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="preset name, e.g. llama3.1-405b")
     p.add_argument("--nodes", type=int, required=True, help="decode nodes N")
     p.add_argument("--tp", type=int, default=8, help="GPUs per node T")
