@@ -67,8 +67,8 @@ through; Megatron's ``rotary_percent`` does the same on the first
 ``int(kv_channels * rotary_percent)`` dims with the same frequencies. So
 ``partial_rotary_factor`` -> ``rotary_percent`` with no q/k permutation (the end-to-end test
 compares logits with ``transformers``). ``partial_rotary_factor`` and ``rope_theta`` are read
-from the top level (transformers 4.x configs) or from ``rope_parameters`` (5.x); only the
-default RoPE type is supported.
+from ``rope_parameters`` (transformers 5.x), else from the top level (4.x), as transformers
+reads them; only the default RoPE type is supported.
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ from typing import Dict, Optional, Union
 import torch
 
 from tknp_megatron.config import Activation, GPTArgs, ModelPreset, dtype_from_name
+from tknp_megatron.models.hf_files import CONVERTED, stored_float_dtype, weight_files
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -103,6 +104,12 @@ def preset_from_hf_config(cfg: Dict, name: str = "hf") -> ModelPreset:
     (default ``llama``). Tied embeddings are untied on conversion. Unsupported settings
     raise ``ValueError`` naming the config field."""
     model_type = cfg.get("model_type", "llama")
+    quant = cfg.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise ValueError(f"quantization_config (quant_method {method!r}) unsupported: the "
+                         "converter takes float32, float16 or bfloat16 weights (FP8 comes from "
+                         "Transformer Engine at load time, --fp8-recipe)")
     if model_type in LLAMA_FAMILY:
         return _llama_preset(cfg, name, model_type)
     if model_type == "nemotron":
@@ -127,7 +134,7 @@ def _llama_preset(cfg: Dict, name: str, model_type: str = "llama") -> ModelPrese
     if llama3 and (scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0),
                    scaling.get("original_max_position_embeddings", 8192)) != (1.0, 4.0, 8192):
         raise ValueError(f"llama3 rope_scaling {scaling}: Megatron fixes 1/4/8192")
-    theta = _whole_rope_theta(cfg.get("rope_theta", scaling.get("rope_theta", 10000.0)), model_type)
+    theta = _whole_rope_theta(_rope_value(cfg, "rope_theta", 10000.0), model_type)
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
         raise ValueError("attention_bias / mlp_bias not supported")
     if cfg.get("use_sliding_window"):
@@ -184,9 +191,8 @@ def _nemotron_preset(cfg: Dict, name: str) -> ModelPreset:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise ValueError(f"nemotron {field} {rope!r} unsupported (default RoPE only)")
-    params = cfg.get("rope_parameters") or {}
-    factor = float(cfg.get("partial_rotary_factor", params.get("partial_rotary_factor", 0.5)))
-    theta = _whole_rope_theta(cfg.get("rope_theta", params.get("rope_theta", 10000.0)), "nemotron")
+    factor = float(_rope_value(cfg, "partial_rotary_factor", 0.5))
+    theta = _whole_rope_theta(_rope_value(cfg, "rope_theta", 10000.0), "nemotron")
     heads = cfg.get("num_attention_heads", 48)
     hidden = cfg.get("hidden_size", 6144)
     head_dim = cfg.get("head_dim") or hidden // heads
@@ -218,6 +224,15 @@ def _nemotron_preset(cfg: Dict, name: str) -> ModelPreset:
     )
 
 
+def _rope_value(cfg: Dict, key: str, default):
+    """A RoPE setting as ``transformers`` 5 reads it: ``rope_parameters``' value where it has
+    one, else the top level's (4.x configs), else ``rope_scaling``'s, else ``default``."""
+    for source in (cfg.get("rope_parameters") or {}, cfg, cfg.get("rope_scaling") or {}):
+        if isinstance(source, dict) and source.get(key) is not None:
+            return source[key]
+    return default
+
+
 def _whole_rope_theta(theta, model_type: str) -> int:
     """``rope_theta`` as Megatron's ``rotary_base``, an int; ``ValueError`` for a fraction."""
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < float("inf") \
@@ -230,11 +245,8 @@ def _whole_rope_theta(theta, model_type: str) -> int:
 def _read_safetensors(folder: Path) -> Dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{folder}: no *.safetensors files")
     out: Dict[str, torch.Tensor] = {}
-    for f in files:
+    for f in weight_files(folder):
         out.update(load_file(str(f)))
     return out
 
@@ -326,13 +338,14 @@ def hf_state_dict(model_type: str, hf: Dict[str, torch.Tensor], preset: ModelPre
 
 def hf_checkpoint_dtype(hf_dir: PathLike) -> torch.dtype:
     """The dtype a Hugging Face folder stores: ``config.json``'s ``torch_dtype`` (``dtype``
-    in transformers 5), else that of its first floating-point tensor."""
+    in transformers 5) where it names float32, float16 or bfloat16, else that of its stored
+    weights (read from the file headers)."""
     cfg = json.loads((Path(hf_dir) / "config.json").read_text())
     name = cfg.get("torch_dtype") or cfg.get("dtype")
-    if isinstance(name, str):
-        return dtype_from_name(name.removeprefix("torch."))
-    tensors = _read_safetensors(Path(hf_dir))
-    return next(t.dtype for t in tensors.values() if t.is_floating_point())
+    name = name.removeprefix("torch.") if isinstance(name, str) else None
+    if name not in CONVERTED.values():  # absent, or "auto": what the weights are stored as
+        name = stored_float_dtype(hf_dir)
+    return dtype_from_name(name)
 
 
 def convert_hf_to_dist_checkpoint(hf_dir: PathLike, out_dir: PathLike,

@@ -86,6 +86,7 @@ def _checkpoint_preset(ckpt: str) -> ModelPreset:
 
 def _hf_preset(folder: str) -> ModelPreset:
     from tknp_megatron.models.hf_convert import preset_from_hf_config
+    from tknp_megatron.models.hf_files import HFFolderError, folder_problems
 
     path = Path(folder)
     if not path.is_dir():
@@ -93,8 +94,6 @@ def _hf_preset(folder: str) -> ModelPreset:
     config = path / "config.json"
     if not config.is_file():
         raise SourceError(f"--hf {folder}: not a Hugging Face model folder (no config.json)")
-    if not any(path.glob("*.safetensors")):
-        raise SourceError(f"--hf {folder}: no *.safetensors weights")
     try:
         cfg = json.loads(config.read_text())
     except ValueError as err:
@@ -102,9 +101,17 @@ def _hf_preset(folder: str) -> ModelPreset:
     if not isinstance(cfg, dict):
         raise SourceError(f"--hf {folder}: config.json holds a {type(cfg).__name__}, not a JSON object")
     try:
-        return preset_from_hf_config(cfg, name=path.name or "hf")
+        preset = preset_from_hf_config(cfg, name=path.name or "hf")
     except (ValueError, KeyError, TypeError) as err:
         raise SourceError(f"--hf {folder}: {err}") from None
+    try:  # the weight files' headers against the config: kilobytes read, nothing converted
+        problems = folder_problems(path, cfg, preset)
+    except (HFFolderError, OSError) as err:
+        raise SourceError(f"--hf {folder}: {_one_line(err)}") from None
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise SourceError(f"--hf {folder}: {problems[0]}{more}")
+    return preset
 
 
 # What reading a damaged checkpoint's files raises: a missing or unreadable file, a tracker
