@@ -62,8 +62,11 @@ def test_sampling_fields_beyond_64_bits_are_refused(field, value):
     (dict(termination_id=2**63), "eos_id must be None or in [0, 2**63), got 9223372036854775808"),
     (dict(num_tokens_total=12), "num_tokens_to_generate 4 and num_tokens_total 12: set one (the other None)"),
     (dict(num_tokens_to_generate=None, num_tokens_total=3), "num_tokens_total 3: must exceed the prompt's 3 tokens"),
+    (dict(return_log_probs=True, skip_prompt_log_probs=True, top_n_logprobs=2, return_prompt_top_n_logprobs=True),
+     "sampling parameters Megatron's SamplingParams refuses: return_prompt_top_n_logprobs requires "
+     "skip_prompt_log_probs to be False"),
 ], ids=["tokens_str", "tokens_fraction", "termination_list", "top_n_str", "top_k_64_bits", "termination_64_bits",
-        "both_lengths", "total_within_prompt"])
+        "both_lengths", "total_within_prompt", "megatron_refuses"])
 def test_served_fields_of_the_wrong_type_or_size_are_refused_by_name(params, message):
     """Megatron's ``InferenceClient`` sends its ``SamplingParams`` as they are: the pool
     refuses what the engine cannot take, naming the field."""
@@ -98,6 +101,16 @@ def test_num_tokens_total_sets_the_output_length_as_megatrons_engine_does():
     ({"prompt": "1 2", "max_tokens": 1e20}, "'max_tokens' 1e+20: outside the 64-bit integer range"),
     ({"prompt": "1 2", "top_k": -(2**63) - 1}, "'top_k' -9223372036854775809: outside the 64-bit integer range"),
     ([1, 2], "request body is not a JSON object"),
+    ({"prompt": "1 2", "max_tokens": [4]}, "'max_tokens' [4]: expected a number, got list"),
+    ({"prompt": "1 2", "temperature": {}}, "'temperature' {}: expected a number, got dict"),
+    ({"prompt": "1 2", "max_tokens": True}, "'max_tokens' True: expected a number, got a boolean"),
+    ({"prompt": "1 2", "max_tokens": 4.5}, "'max_tokens' 4.5: must be a whole number"),
+    ({"prompt": "1 2", "max_tokens": 0}, "'max_tokens' 0: must be at least 1"),
+    ({"prompt": "1 2", "n": -1}, "'n' -1: must be at least 1"),
+    ({"prompt": "1 2", "temperature": float("inf")}, "'temperature' inf: must be finite and >= 0"),
+    ({"prompt": "1 2", "top_p": 2}, "'top_p' 2: must be in [0, 1] (0 is off)"),
+    ({"prompt": "1 2", "top_k": -1}, "'top_k' -1: must be >= 0 (0 is off)"),
+    ({"prompt": "1 2", "logprobs": 513}, "'logprobs' 513: must be in [0, the vocabulary 512]"),
 ])
 def test_http_bodies_megatrons_endpoints_would_answer_500_get_400(body, message):
     from tknp_megatron.serving.frontend import _body_problem
@@ -105,11 +118,62 @@ def test_http_bodies_megatrons_endpoints_would_answer_500_get_400(body, message)
     problem = _body_problem("POST", body, 512)
     assert problem is not None and problem[1] == 400 and message in problem[0], problem
     assert _body_problem("GET", body, 512) is None
+    assert _body_problem("POST", body, 512, "/health") is None  # another route: the app answers it
 
 
 def test_http_bodies_that_megatron_takes_pass():
     from tknp_megatron.serving.frontend import _body_problem
 
     for body in ({"prompt": "1 2 3", "max_tokens": 4, "temperature": 1e300, "logprobs": True},
-                 {"prompt": [0, 2, 511], "top_k": 2**63 - 1}, {"messages": [{"role": "user", "content": "hi"}]}):
+                 {"prompt": [0, 2, 511], "top_k": 2**63 - 1}, {"messages": [{"role": "user", "content": "hi"}]},
+                 {"prompt": "1", "max_tokens": 4.0, "top_p": 0, "top_k": 0, "n": 2, "seed": -1, "logprobs": 512}):
         assert _body_problem("POST", body, 512) is None
+
+
+def test_the_coordinators_sockets_drop_nothing_at_zmqs_high_water_mark():
+    """A ROUTER at ZMQ's default marks (1000 messages each way) drops what it sends beyond
+    them without a word: a burst of 20000 replies to a client that is not reading reaches it
+    only in part. With :func:`unbounded_queues`, set after the connection is made (as the
+    front end sets it on Megatron's coordinator and client), every one arrives."""
+    import time
+
+    import zmq
+
+    from tknp_megatron.serving.coordinator_link import unbounded_queues
+
+    def delivered(unbounded: bool) -> int:
+        ctx = zmq.Context()
+        router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        dealer.connect(f"tcp://127.0.0.1:{port}")
+        dealer.send(b"register")
+        peer, _ = router.recv_multipart()
+        if unbounded:
+            unbounded_queues(router)
+            unbounded_queues(dealer)
+        for _ in range(20000):
+            router.send_multipart([peer, b"x" * 2000])
+        time.sleep(0.5)
+        n = 0
+        while dealer.poll(500):
+            dealer.recv()
+            n += 1
+        router.close(linger=0)
+        dealer.close(linger=0)
+        ctx.term()
+        return n
+
+    assert delivered(False) < 20000  # ZMQ's default: the rest silently dropped
+    assert delivered(True) == 20000
+
+
+def test_a_reply_to_params_megatron_refuses_is_still_built():
+    """The refusal's own reply carries Megatron's default sampling parameters in their place,
+    so building it cannot raise in the pool's loop."""
+    from tknp_megatron.serving.megatron_types import reply_item
+
+    params = dict(return_log_probs=True, skip_prompt_log_probs=True, top_n_logprobs=2,
+                  return_prompt_top_n_logprobs=True)
+    item = reply_item(7, [1, 2, 3], params, tokenizer=None, failure="request 7: refused")
+    status = item["requests"][0]["status"] if "requests" in item else item["status"]
+    assert status == "FAILED"

@@ -15,7 +15,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, List, Sequence
 
-__all__ = ["CoordinatorLink", "Message"]
+__all__ = ["CoordinatorLink", "Message", "unbounded_queues"]
+
+
+def unbounded_queues(sock) -> None:
+    """No high-water mark on ``sock``'s queues (ZMQ's default is 1000 messages each way).
+
+    At the mark a ROUTER drops what it sends without a word: Megatron's coordinator relays
+    every request of a burst (a chat request with a large ``n`` is that many) to a pool and
+    every reply back to its client, so a burst beyond the marks would lose requests that then
+    never end. The queues stay bounded by the requests in flight. (libzmq applies the change
+    to connections already made, too.)"""
+    import zmq
+
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
 
 
 @dataclass(frozen=True)
@@ -44,6 +58,7 @@ class CoordinatorLink:
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.IDENTITY, f"mp-coord-{dp_rank}".encode())
         self._socket.setsockopt(zmq.LINGER, 2000)  # replies still queued at close go out
+        unbounded_queues(self._socket)  # a burst of requests is never dropped at a mark
         self._socket.connect(address)
         self._socket.send(b"")  # registration, as Megatron's engine sends it
         self.address, self.dp_rank = address, dp_rank

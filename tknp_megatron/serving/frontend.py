@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import faulthandler
 import inspect
+import math
 import multiprocessing as mp
 import signal
 import socket
@@ -40,9 +41,11 @@ import time
 import urllib.request
 from typing import Any, Callable, Dict, List, Optional
 
+from tknp_megatron.serving.coordinator_link import unbounded_queues
 from tknp_megatron.serving.megatron_types import REPLIES_ARE_RECORDS
 
 GRACEFUL_S = 10.0  # how long a stopping HTTP server may take to answer the requests it holds
+MAX_BODY_BYTES = 2**30  # a request body's limit (a batch of long token-id prompts is large)
 
 __all__ = ["Frontend", "default_replicas", "helper_context"]
 
@@ -104,6 +107,22 @@ def _child(target: Callable, kwargs: Dict[str, Any]) -> None:
     target(**kwargs)
 
 
+def _run_coordinator(**kwargs) -> None:
+    """Megatron's ``DataParallelInferenceCoordinator.entrypoint`` (in a helper process),
+    with :func:`unbounded_queues` on its ROUTER socket, set as soon as it is made, before
+    its address reaches any pool."""
+    from megatron.core.inference.data_parallel_inference_coordinator import (
+        DataParallelInferenceCoordinator,
+    )
+
+    class UnboundedCoordinator(DataParallelInferenceCoordinator):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            unbounded_queues(self.router_socket)
+
+    UnboundedCoordinator.entrypoint(**kwargs)
+
+
 def _accepted(fn: Callable, kwargs: Dict[str, Any]) -> Dict[str, Any]:
     """``kwargs`` that ``fn`` takes (Megatron's signatures differ between versions)."""
     params = inspect.signature(fn).parameters
@@ -132,13 +151,12 @@ class Frontend:
         ctx = helper_context()
         parent, child = ctx.Pipe()
         self._ready = ctx.Event()
-        entry = DataParallelInferenceCoordinator.entrypoint
-        kwargs = _accepted(entry, dict(
+        kwargs = _accepted(DataParallelInferenceCoordinator.entrypoint, dict(
             pipe_connection=child, ready_event=self._ready, data_parallel_size=num_pools,
             tokenizer=tokenizer, inference_coordinator_port=coordinator_port,
             max_requests=max_requests,
         ))
-        self._coordinator = ctx.Process(target=_child, args=(entry, kwargs), daemon=True)
+        self._coordinator = ctx.Process(target=_child, args=(_run_coordinator, kwargs), daemon=True)
         self._coordinator.start()
         if not parent.poll(120):
             raise RuntimeError("Megatron's coordinator did not report its address within 120 s")
@@ -220,14 +238,18 @@ def default_replicas() -> int:
 # ---------------------------------------------------------------- the HTTP process
 class _FailedAsError:
     """megatron-core 0.16's client for its blueprints: a FAILED request raises its reason,
-    and a request is registered before it is sent.
+    a request is registered before it is sent, and a chat request asks for no prompt
+    log-probs (its endpoint never returns them, and a decode pool does not compute them).
 
     0.16 serves its blueprints with Flask, so hypercorn runs each handler, and its
     ``add_request``, in a worker thread, while the client's reply listener runs on the main
     event loop. ``InferenceClient.add_request`` sends first and then records the request's
     future and submission time: a reply that arrives in between finds no entry and kills the
     listener (``KeyError`` in ``_recv_task``; every later request gets no reply). Here the
-    entries are made first, and one thread at a time sends (a ZMQ socket is not thread-safe).
+    entries are made first, and the message is sent by the listener's own thread (the main
+    loop, between its receives): a ZMQ socket is not thread-safe, and a send from a worker
+    thread racing the listener's receive on the same socket can lose a message, and with it
+    a request that then never ends.
     """
 
     def __init__(self, client):
@@ -238,9 +260,16 @@ class _FailedAsError:
         import msgpack
         from megatron.core.inference.headers import Headers
 
+        from flask import has_request_context, request
+
         client = self._client
         if not client.running.is_set():
             raise RuntimeError("InferenceClient is not currently running.")
+        if has_request_context() and request.path.rstrip("/").endswith("chat/completions"):
+            # the chat endpoint returns the generated tokens' log-probs only, but leaves
+            # skip_prompt_log_probs at False, which asks for the prompt's as well
+            sampling_params.add_attributes(dict(return_prompt_top_n_logprobs=False,
+                                                skip_prompt_log_probs=True))
         future = asyncio.get_running_loop().create_future()
         with self._lock:
             request_id = client.next_request_id
@@ -251,7 +280,7 @@ class _FailedAsError:
             client.next_request_id += 1
             client.completion_futures[request_id] = future
             client.request_submission_times[request_id] = time.perf_counter()
-            client.socket.send(message)
+            client._loop.call_soon_threadsafe(client.socket.send, message)  # in order: FIFO
         return _raise_if_failed(future)
 
     def __getattr__(self, name):
@@ -270,23 +299,54 @@ async def _raise_if_failed(future):
     return record
 
 
-_NUMBER_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "n", "logprobs", "top_logprobs", "seed")
-"""The numeric fields Megatron's completion endpoints convert with ``int()`` / ``float()``."""
-
-_INTEGER_FIELDS = ("max_tokens", "top_k", "n", "logprobs", "top_logprobs", "seed")
-
 _INT64 = 2**63
 
+_NUMBER_RULES = {  # field -> (integer?, lowest, highest or None, the rule in words)
+    "max_tokens": (True, 1, None, "at least 1"),
+    "temperature": (False, 0, None, "finite and >= 0"),
+    "top_p": (False, 0, 1, "in [0, 1] (0 is off)"),
+    "top_k": (True, 0, None, ">= 0 (0 is off)"),
+    "n": (True, 1, None, "at least 1"),
+    "logprobs": (True, 0, "vocab", "in [0, the vocabulary {vocab}]"),
+    "top_logprobs": (True, 0, "vocab", "in [0, the vocabulary {vocab}]"),
+    "seed": (True, -_INT64, _INT64 - 1, "a 64-bit integer"),
+}
+"""The numeric fields Megatron's completion endpoints convert with ``int()`` / ``float()``,
+and the values a request can carry to the pools. Chat's ``logprobs`` is a boolean."""
 
-def _body_problem(method: str, body, vocab: int) -> Optional[tuple]:
-    """400, naming the field and the value, for a POST body Megatron's endpoints would answer
-    with a bare 500 or a generic page, or whose values the request cannot carry to the
-    pools: not a JSON object; a prompt (or chat messages) empty or neither text nor a list;
-    a prompt's token id outside the tokenizer's ``vocab`` (the endpoint detokenizes the ids
-    first, and a Hugging Face tokenizer fails on one beyond 32 bits without naming it); a
-    numeric field that is null; an integer field beyond 64 bits (msgpack's and the engine's
-    limit)."""
-    if method != "POST":
+COMPLETION_ROUTES = ("/completions", "/v1/completions", "/v1/chat/completions", "/chat/completions")
+
+
+def _number_problem(field: str, value, vocab: int) -> Optional[str]:
+    integer, low, high, rule = _NUMBER_RULES[field]
+    if value is None:
+        return f"'{field}' is null: give a number or leave the field out"
+    if isinstance(value, bool):
+        if field == "logprobs":  # chat: on or off
+            return None
+        return f"'{field}' {value}: expected a number, got a boolean"
+    if not isinstance(value, (int, float)):
+        return f"'{field}' {value!r}: expected a number, got {type(value).__name__}"
+    high = vocab if high == "vocab" else high
+    if integer and math.isfinite(value) and not -_INT64 <= value < _INT64:
+        return f"'{field}' {value}: outside the 64-bit integer range"
+    if integer and math.isfinite(value) and value != int(value):
+        return f"'{field}' {value}: must be a whole number"
+    if not math.isfinite(value) or value < low or (high is not None and value > high):
+        return f"'{field}' {value}: must be {rule.format(vocab=vocab)}"
+    return None
+
+
+def _body_problem(method: str, body, vocab: int, path: str = "/v1/completions") -> Optional[tuple]:
+    """400, naming the field and the value, for a completion request's body that Megatron's
+    endpoints would answer with a bare 500 or a generic page, or whose values the request
+    cannot carry to the pools: not a JSON object; a prompt (or chat messages) empty or
+    neither text nor a list; a prompt's token id outside the tokenizer's ``vocab`` (the
+    endpoint detokenizes the ids first, and a Hugging Face tokenizer fails on one beyond 32
+    bits without naming it); a numeric field that is null, not a number, or outside what
+    the request takes (:data:`_NUMBER_RULES`). Other routes (``/health``, an unknown
+    path) are left to the app, which answers them itself (404, 405)."""
+    if method != "POST" or path.rstrip("/") not in COMPLETION_ROUTES:
         return None
     if not isinstance(body, dict):
         return "request body is not a JSON object", 400
@@ -303,15 +363,11 @@ def _body_problem(method: str, body, vocab: int) -> Optional[tuple]:
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
                 return f"'{key}': token id {bad} outside the vocabulary [0, {vocab})", 400
-    for field in _NUMBER_FIELDS:
-        if field not in body:
-            continue
-        value = body[field]
-        if value is None:
-            return f"'{field}' is null: give a number or leave the field out", 400
-        if (field in _INTEGER_FIELDS and isinstance(value, (int, float)) and not isinstance(value, bool)
-                and not -_INT64 <= value < _INT64):
-            return f"'{field}' {value}: outside the 64-bit integer range", 400
+    for field in _NUMBER_RULES:
+        if field in body:
+            problem = _number_problem(field, body[field], vocab)
+            if problem:
+                return problem, 400
     return None
 
 
@@ -349,6 +405,7 @@ async def _http_main(address: str, tokenizer, host: str, port: int, stop, listen
     from megatron.core.inference.inference_client import InferenceClient
 
     client = InferenceClient(address)
+    unbounded_queues(client.socket)
     started = client.start()
     if inspect.isawaitable(started):  # async in 0.16
         await started
@@ -358,19 +415,19 @@ async def _http_main(address: str, tokenizer, host: str, port: int, stop, listen
         app = Flask("tknp_megatron.serving")
         app.config["client"] = _FailedAsError(client)
         app.before_request(lambda: _body_problem(request.method, request.get_json(silent=True),
-                                                 tokenizer.vocab_size))
+                                                 tokenizer.vocab_size, request.path))
     else:
         from quart import Quart, request
 
         app = Quart("tknp_megatron.serving")
         app.config["client"] = client  # 0.17+ endpoints report FAILED requests themselves
-        app.config["MAX_CONTENT_LENGTH"] = 2**30
+        app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
         app.config["parsers"], app.config["verbose"] = None, False
 
         @app.before_request
         async def _check():
             return _body_problem(request.method, await request.get_json(force=True, silent=True),
-                                 tokenizer.vocab_size)
+                                 tokenizer.vocab_size, request.path)
     app.config["tokenizer"] = tokenizer
     for blueprint in endpoints.__all__:
         app.register_blueprint(blueprint)
@@ -381,6 +438,7 @@ async def _http_main(address: str, tokenizer, host: str, port: int, stop, listen
     config.backlog = 2**14
     config.accesslog = None
     config.graceful_timeout = GRACEFUL_S
+    config.wsgi_max_body_size = MAX_BODY_BYTES  # the Flask app's (0.16) limit, as Quart's
 
     async def stopped():  # no signal handlers (see _child): the parent sets the event
         await asyncio.get_running_loop().run_in_executor(None, stop.wait)

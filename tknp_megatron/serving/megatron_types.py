@@ -17,6 +17,7 @@ Nothing here is copied from Megatron: the classes, headers and enums are importe
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -72,6 +73,21 @@ def tokenize_prompt(tokenizer, text: str, add_bos: bool) -> List[int]:
     while ids and bos is not None and ids[0] == bos:
         ids.pop(0)
     return [bos] + ids if add_bos else ids
+
+
+def megatron_sampling_params(params: Dict[str, Any]):
+    """The installed megatron-core's ``SamplingParams`` of ``params`` (as its client sent
+    them); :class:`RequestRefused` with its own reason where that class refuses them (its
+    checks are assertions, e.g. prompt top-n log-probs with ``skip_prompt_log_probs``)."""
+    from megatron.core.inference.sampling_params import SamplingParams as MegatronSamplingParams
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return MegatronSamplingParams.deserialize(dict(params))
+    except (AssertionError, TypeError, ValueError, AttributeError) as err:
+        raise RequestRefused(f"sampling parameters Megatron's SamplingParams refuses: "
+                             f"{err or type(err).__name__}") from None
 
 
 def _field(params: Dict[str, Any], name: str, default):
@@ -159,6 +175,7 @@ def to_engine_request(
         )
     except (TypeError, ValueError) as err:
         raise RequestRefused(str(err).replace("invalid SamplingParams: ", "")) from None
+    megatron_sampling_params(params)  # the reply carries them: Megatron's class must take them
     return EngineRequest(tuple(ids), engine_params)
 
 
@@ -222,8 +239,6 @@ def reply_item(
         DynamicInferenceRequestRecord,
         Status,
     )
-    from megatron.core.inference.sampling_params import SamplingParams as MegatronSamplingParams
-
     from tknp_megatron.models.cpu_shims import allow_nvtx_without_cuda
 
     allow_nvtx_without_cuda()
@@ -231,7 +246,7 @@ def reply_item(
     request = DynamicInferenceRequest(
         request_id=request_id,
         prompt_tokens=torch.tensor(list(prompt) if completed else _echoed_ids(prompt), dtype=torch.int64),
-        sampling_params=MegatronSamplingParams.deserialize(dict(megatron_params)),
+        sampling_params=_reply_params(megatron_params),
     )
     # the arrival event: add_event_add in 0.16, add_event_add_engine from 0.17
     (getattr(request, "add_event_add", None) or request.add_event_add_engine)()
@@ -256,3 +271,14 @@ def reply_item(
     if REPLIES_ARE_RECORDS:
         return DynamicInferenceRequestRecord.from_request(request).serialize()
     return request.serialize()
+
+
+def _reply_params(params: Dict[str, Any]):
+    """The sampling parameters a reply carries: the request's, or Megatron's defaults where
+    its class refuses them (the reply of a request refused for that reason)."""
+    from megatron.core.inference.sampling_params import SamplingParams as MegatronSamplingParams
+
+    try:
+        return megatron_sampling_params(params)
+    except RequestRefused:
+        return MegatronSamplingParams()

@@ -185,7 +185,12 @@ class PoolServer:
         items = []
         for rid in request_ids:
             prompt, params = self._open.pop(rid)
-            items.append(reply_item(rid, prompt, params, self.tokenizer, self.engine.result(rid)))
+            try:
+                items.append(reply_item(rid, prompt, params, self.tokenizer, self.engine.result(rid)))
+            except Exception as err:  # a reply no check foresaw: it fails alone, the pool serves on
+                items.append(reply_item(rid, prompt, params, self.tokenizer,
+                                        failure=f"request {rid}: its reply could not be built "
+                                                f"({type(err).__name__}: {err})"))
             self.engine.forget(rid)
         self._send(items)
 
