@@ -333,3 +333,37 @@ def test_squared_relu_is_eager():
     assert not hasattr(fn, "_torchdynamo_orig_callable")
     x = torch.randn(64)
     torch.testing.assert_close(fn(x), torch.nn.functional.relu(x) ** 2, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(rotary_percent=0.5), "rotary_percent 0.5, but the checkpoint {load} was saved with 1.0"),
+    (dict(num_attention_heads=8, num_query_groups=4, kv_channels=8),  # the same shapes, another head split
+     "num_attention_heads 8, but the checkpoint {load} was saved with 4"),
+], ids=["rotary_percent", "head_split"])
+def test_a_config_against_the_args_stored_with_the_checkpoint(saved, change, message):
+    """What shapes cannot show (RoPE, the split of a width into heads) is compared with the
+    arguments Megatron-LM stored with the checkpoint, where it stored them."""
+    load = saved["lm"]
+    assert message.format(load=load) in _refusal(load, vocab_size=256, **change)
+
+
+def test_a_stored_tensor_of_a_feature_the_config_lacks_is_refused(saved):
+    """Learned position embeddings or q/k layernorm weights in a checkpoint whose config has
+    neither would be skipped by the load, and the tokens would be another model's; the
+    optimizer's state and Transformer Engine's extra state are not weights of the model."""
+    from megatron.core import dist_checkpointing
+
+    from tknp_megatron.models.checkpoint import _layout_problems
+    from tknp_megatron.models.model_config import preset_from_model_config
+
+    meta = dist_checkpointing.load_tensors_metadata(str(saved["untied"]))
+    stored = {k: tuple(v.global_shape) for k, v in meta.items()}
+    preset = preset_from_model_config(dict(TINY))
+    assert _layout_problems(stored, preset) == []
+    ignored = {"optimizer.state.exp_avg.decoder.layers.mlp.linear_fc2.weight": (4, 64, 160),
+               "decoder.layers.self_attention.core_attention._extra_state": (4,)}
+    assert _layout_problems({**stored, **ignored}, preset) == []
+    for key, shape in (("embedding.position_embeddings.weight", (512, 64)),
+                       ("decoder.layers.self_attention.q_layernorm.weight", (4, 16))):
+        (problem,) = _layout_problems({**stored, key: shape}, preset)
+        assert problem.startswith(f"the checkpoint holds {key} {shape}, which a model of this config does not have")

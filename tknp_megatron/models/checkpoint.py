@@ -229,10 +229,12 @@ def checkpoint_problems(ckpt_dir: PathLike, preset) -> List[str]:
     its metadata and its files' sizes (no tensor is read), so that a launcher refuses it
     before any rank starts: a shard file missing or shorter than the metadata says; a
     tensor the model needs that is not stored, or stored with another shape (the layer
-    count, widths, head layout); a tensor stored that the model would leave unread (biases,
-    norm biases or a separate output layer the config does not have: served without them,
-    the tokens would not be the checkpoint's model's). The vocabulary rows may differ
-    (checked by the caller against the model's vocabulary); nothing else may."""
+    count, widths, head layout as far as shapes show it); a tensor stored that the model
+    would leave unread (biases, norm biases or a separate output layer the config does not
+    have, or any tensor of a feature it lacks, such as learned position embeddings or q/k
+    layernorm: served without them, the tokens would not be the checkpoint's model's). The
+    vocabulary rows may differ (checked by the caller against the model's vocabulary);
+    nothing else may."""
     path = resolve_checkpoint_dir(ckpt_dir)
     try:
         problems = _short_files(path)
@@ -266,6 +268,12 @@ def _short_files(path: Path) -> List[str]:
     return out
 
 
+_IGNORED_PREFIXES = ("optimizer.", "mtp.")
+"""Stored tensors serving does not read: the optimizer's state, and multi-token-prediction
+heads (used for speculative drafts; the main model's tokens do not depend on them)."""
+_IGNORED_SUFFIXES = ("_extra_state",)  # Transformer Engine's FP8 metadata, no weights
+
+
 def _layout_problems(stored: Dict[str, tuple], preset) -> List[str]:
     """``stored`` (key -> global shape, layers stacked on axis 0) against what a TP-1
     ``GPTModel`` of ``preset`` saves; see :func:`checkpoint_problems`. Norms are found under
@@ -293,6 +301,12 @@ def _layout_problems(stored: Dict[str, tuple], preset) -> List[str]:
     entries += [(("decoder.final_layernorm.weight",), (h,), True),
                 (("decoder.final_layernorm.bias",), (h,), layer_norm)]
     out = []
+    known = {n for names, _, _ in entries for n in names} | {_EMBEDDING_KEY, "output_layer.weight"}
+    for key in sorted(stored):
+        if key not in known and not key.endswith(_IGNORED_SUFFIXES) and not key.startswith(_IGNORED_PREFIXES):
+            out.append(f"the checkpoint holds {key} {stored[key]}, which a model of this config does not have "
+                       "(learned position embeddings, q/k layernorm, ... are not served): served without "
+                       "it, the tokens would be another model's")
     for names, shape, wanted in entries:
         found = [n for n in names if n in stored]
         if wanted and not found:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import pickle
 import tempfile
@@ -149,6 +150,43 @@ def _checkpoint_rows(ckpt: str, preset: ModelPreset) -> int:
     return rows
 
 
+# What a checkpoint's shapes cannot show (RoPE, norms, the head split of a width), compared
+# between a --model-config and the arguments Megatron-LM stored with the checkpoint.
+_ARGS_COMPARED = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+                  "ffn_hidden_size", "gated", "activation", "normalization", "zero_centered_gamma",
+                  "layernorm_epsilon", "add_bias_linear", "add_qkv_bias")
+_GPT_ARGS_COMPARED = ("position_embedding_type", "rotary_percent", "rotary_base", "rope_scaling",
+                      "rope_scaling_factor", "share_embeddings_and_output_weights")
+
+
+def _against_stored_args(ckpt: str, preset: ModelPreset, config_path: str) -> None:
+    """A ``--model-config`` for a checkpoint that stores Megatron-LM's arguments must agree
+    with them on every setting the weights' shapes do not pin (the vocabulary and the
+    sequence limit may differ); a mismatch raises :class:`SourceError` naming the field.
+    Stored arguments that do not describe a servable model are not compared: the config is
+    then the description."""
+    from tknp_megatron.models.checkpoint import read_checkpoint_args
+    from tknp_megatron.models.model_config import preset_from_checkpoint_args
+
+    if os.path.exists(os.path.join(ckpt, "model_config.json")):
+        stored = _model_config(os.path.join(ckpt, "model_config.json"), "--load")
+    else:
+        try:
+            args = read_checkpoint_args(ckpt)
+            stored = None if args is None else preset_from_checkpoint_args(args, name="stored")
+        except (*_UNREADABLE, TypeError):
+            return
+    if stored is None:
+        return
+    pairs = [(f, getattr(preset, f), getattr(stored, f)) for f in _ARGS_COMPARED]
+    pairs += [(f, getattr(preset.gpt, f), getattr(stored.gpt, f)) for f in _GPT_ARGS_COMPARED]
+    for field, given, saved in pairs:
+        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (given, saved))
+        if given != saved and not (numbers and math.isclose(given, saved, rel_tol=1e-9)):
+            raise SourceError(f"--model-config {config_path}: {field} {getattr(given, 'value', given)!r}, but "
+                              f"the checkpoint {ckpt} was saved with {getattr(saved, 'value', saved)!r}")
+
+
 def resolve_source(model: Optional[str] = None, load: Optional[str] = None,
                    hf: Optional[str] = None, model_config: Optional[str] = None,
                    seed: int = 0) -> ModelSource:
@@ -166,6 +204,8 @@ def resolve_source(model: Optional[str] = None, load: Optional[str] = None,
         preset = _checkpoint_preset(load)
     else:
         preset = get_preset(model or "tiny")
+    if load and model_config:
+        _against_stored_args(load, preset, model_config)
     if load:
         return ModelSource(preset, load, None, _checkpoint_rows(load, preset), f"checkpoint {load}")
     if hf:
