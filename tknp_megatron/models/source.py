@@ -160,23 +160,15 @@ _GPT_ARGS_COMPARED = ("position_embedding_type", "rotary_percent", "rotary_base"
 
 
 def _against_stored_args(ckpt: str, preset: ModelPreset, config_path: str) -> None:
-    """A ``--model-config`` for a checkpoint that stores Megatron-LM's arguments must agree
-    with them on every setting the weights' shapes do not pin (the vocabulary and the
+    """A ``--model-config`` for a checkpoint that stores its description (Megatron-LM's
+    arguments or the converter's ``model_config.json``: :func:`_checkpoint_preset`) must
+    agree with it on every setting the weights' shapes do not pin (the vocabulary and the
     sequence limit may differ); a mismatch raises :class:`SourceError` naming the field.
     Stored arguments that do not describe a servable model are not compared: the config is
     then the description."""
-    from tknp_megatron.models.checkpoint import read_checkpoint_args
-    from tknp_megatron.models.model_config import preset_from_checkpoint_args
-
-    if os.path.exists(os.path.join(ckpt, "model_config.json")):
-        stored = _model_config(os.path.join(ckpt, "model_config.json"), "--load")
-    else:
-        try:
-            args = read_checkpoint_args(ckpt)
-            stored = None if args is None else preset_from_checkpoint_args(args, name="stored")
-        except (*_UNREADABLE, TypeError):
-            return
-    if stored is None:
+    try:
+        stored = _checkpoint_preset(ckpt)
+    except SourceError:
         return
     pairs = [(f, getattr(preset, f), getattr(stored, f)) for f in _ARGS_COMPARED]
     pairs += [(f, getattr(preset.gpt, f), getattr(stored.gpt, f)) for f in _GPT_ARGS_COMPARED]
