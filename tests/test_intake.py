@@ -106,7 +106,7 @@ def test_num_tokens_total_sets_the_output_length_as_megatrons_engine_does():
     ({"prompt": "1 2", "max_tokens": True}, "'max_tokens' True: expected a number, got a boolean"),
     ({"prompt": "1 2", "max_tokens": 4.5}, "'max_tokens' 4.5: must be a whole number"),
     ({"prompt": "1 2", "max_tokens": 0}, "'max_tokens' 0: must be at least 1"),
-    ({"prompt": "1 2", "n": -1}, "'n' -1: must be at least 1"),
+    ({"prompt": "1 2", "n": -1}, "'n' -1: must be in [1, 128]"),
     ({"prompt": "1 2", "temperature": float("inf")}, "'temperature' inf: must be finite and >= 0"),
     ({"prompt": "1 2", "top_p": 2}, "'top_p' 2: must be in [0, 1] (0 is off)"),
     ({"prompt": "1 2", "top_k": -1}, "'top_k' -1: must be >= 0 (0 is off)"),

@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import json
 import re
+import shutil
 import subprocess
 import sys
 import warnings
@@ -341,10 +342,30 @@ def test_squared_relu_is_eager():
      "num_attention_heads 8, but the checkpoint {load} was saved with 4"),
 ], ids=["rotary_percent", "head_split"])
 def test_a_config_against_the_args_stored_with_the_checkpoint(saved, change, message):
-    """What shapes cannot show (RoPE, the split of a width into heads) is compared with the
-    arguments Megatron-LM stored with the checkpoint, where it stored them."""
+    """What shapes cannot show (RoPE, the split of a width into heads, the tokenizer's
+    vocabulary within the padded rows) is compared with the arguments Megatron-LM stored
+    with the checkpoint, where it stored them."""
     load = saved["lm"]
-    assert message.format(load=load) in _refusal(load, vocab_size=256, **change)
+    assert message.format(load=load) in _refusal(load, **{"vocab_size": 256, **change})
+
+
+def test_a_config_may_not_cut_the_vocabulary_the_checkpoint_names(saved, tmp_path):
+    """A checkpoint that names its tokenizer's vocabulary (the converter's model_config.json)
+    refuses a config with fewer tokens: the rest could never be sampled. Megatron-LM's
+    arguments usually store only the padded rows, and a smaller vocabulary is then the
+    normal case (the rows include the padding)."""
+    from tknp_megatron.models.source import resolve_source
+
+    load = tmp_path / "described"
+    shutil.copytree(saved["untied"], load)
+    (load / "model_config.json").write_text(json.dumps(TINY))  # 211 tokens in 256 rows
+    assert (f"vocab_size 200, but the checkpoint {load} was saved with 211 tokens: the ones from 200 on "
+            "could never be sampled") in _refusal(load, vocab_size=200)
+    config = tmp_path / "larger.json"
+    config.write_text(json.dumps({**TINY, "vocab_size": 240}))
+    assert resolve_source(load=str(load), model_config=str(config)).preset.vocab_size == 240
+    config.write_text(json.dumps({**TINY, "vocab_size": 200}))  # the rows are all the lm checkpoint says
+    assert resolve_source(load=str(saved["lm"]), model_config=str(config)).preset.vocab_size == 200
 
 
 def test_a_stored_tensor_of_a_feature_the_config_lacks_is_refused(saved):

@@ -315,7 +315,8 @@ def test_pause_holds_requests_until_unpause(server, served):
     (dict(prompt="1 2 600", max_tokens=4), ("token id 600 outside the vocabulary [0, 512)",)),
     (dict(prompt="1 2 3", max_tokens=0), ("'max_tokens' 0: must be at least 1",)),
     (dict(prompt="1 2 3", max_tokens=[4]), ("'max_tokens' [4]: expected a number, got list",)),
-    (dict(prompt="1 2 3", max_tokens=4, n=0), ("'n' 0: must be at least 1",)),
+    (dict(prompt="1 2 3", max_tokens=4, n=0), ("'n' 0: must be in [1, 128]",)),
+    (dict(prompt="1 2 3", max_tokens=4, n=10**7), ("'n' 10000000: must be in [1, 128]",)),
     (dict(prompt=" ".join(["7"] * 1100), max_tokens=4), ("exceeds max_sequence_length 1024",)),
     (dict(prompt="1 2 3", max_tokens=4, temperature=-1), ("'temperature' -1: must be finite and >= 0",)),
     ("{not json", ("not a JSON object", "Invalid or missing JSON body")),
@@ -328,7 +329,7 @@ def test_pause_holds_requests_until_unpause(server, served):
     (dict(prompt="1 2 3", max_tokens=1e20), ("'max_tokens' 1e+20: outside the 64-bit integer range",)),
     (dict(prompt=5, max_tokens=4), ("'prompt' 5: expected text or a list, got int",)),
     (dict(prompt="1 2 3", max_tokens=None), ("'max_tokens' is null",)),
-], ids=["empty", "vocab", "max_tokens_0", "max_tokens_list", "n_0", "too_long", "negative_temperature", "malformed_json", "logprobs_vocab",
+], ids=["empty", "vocab", "max_tokens_0", "max_tokens_list", "n_0", "n_huge", "too_long", "negative_temperature", "malformed_json", "logprobs_vocab",
         "id_64_bits", "top_k_64_bits", "max_tokens_64_bits", "prompt_int", "max_tokens_null"])
 def test_bad_input_is_answered_with_the_problem_and_the_server_keeps_serving(server, served, body, messages):
     """An error status and the problem in the body: 400 for what the body shows (the front

@@ -162,8 +162,9 @@ _GPT_ARGS_COMPARED = ("position_embedding_type", "rotary_percent", "rotary_base"
 def _against_stored_args(ckpt: str, preset: ModelPreset, config_path: str) -> None:
     """A ``--model-config`` for a checkpoint that stores its description (Megatron-LM's
     arguments or the converter's ``model_config.json``: :func:`_checkpoint_preset`) must
-    agree with it on every setting the weights' shapes do not pin (the vocabulary and the
-    sequence limit may differ); a mismatch raises :class:`SourceError` naming the field.
+    agree with it on every setting the weights' shapes do not pin, and may not cut its
+    vocabulary where it names one (a larger vocabulary and another sequence limit are
+    taken); a mismatch raises :class:`SourceError` naming the field.
     Stored arguments that do not describe a servable model are not compared: the config is
     then the description."""
     try:
@@ -177,6 +178,21 @@ def _against_stored_args(ckpt: str, preset: ModelPreset, config_path: str) -> No
         if given != saved and not (numbers and math.isclose(given, saved, rel_tol=1e-9)):
             raise SourceError(f"--model-config {config_path}: {field} {getattr(given, 'value', given)!r}, but "
                               f"the checkpoint {ckpt} was saved with {getattr(saved, 'value', saved)!r}")
+    if preset.vocab_size < stored.vocab_size and _names_its_vocabulary(ckpt):
+        raise SourceError(f"--model-config {config_path}: vocab_size {preset.vocab_size}, but the checkpoint "
+                          f"{ckpt} was saved with {stored.vocab_size} tokens: the ones from "
+                          f"{preset.vocab_size} on could never be sampled")
+
+
+def _names_its_vocabulary(ckpt: str) -> bool:
+    """Whether the checkpoint's stored description gives the tokenizer's vocabulary itself
+    (``model_config.json``, or Megatron-LM's ``args.vocab_size``), not only the padded rows
+    (a config's vocabulary below those is the usual case: they include Megatron's padding)."""
+    from tknp_megatron.models.checkpoint import read_checkpoint_args
+
+    if os.path.exists(os.path.join(ckpt, "model_config.json")):
+        return True
+    return bool(getattr(read_checkpoint_args(ckpt), "vocab_size", None))
 
 
 def resolve_source(model: Optional[str] = None, load: Optional[str] = None,

@@ -300,13 +300,17 @@ async def _raise_if_failed(future):
 
 
 _INT64 = 2**63
+MAX_CHOICES = 128
+"""Most choices (``n``) one request may ask for: OpenAI's API limit. Megatron's chat endpoint
+submits one engine request per choice, so an unbounded ``n`` lets a body of a few bytes queue
+millions of requests in the front end."""
 
 _NUMBER_RULES = {  # field -> (integer?, lowest, highest or None, the rule in words)
     "max_tokens": (True, 1, None, "at least 1"),
     "temperature": (False, 0, None, "finite and >= 0"),
     "top_p": (False, 0, 1, "in [0, 1] (0 is off)"),
     "top_k": (True, 0, None, ">= 0 (0 is off)"),
-    "n": (True, 1, None, "at least 1"),
+    "n": (True, 1, MAX_CHOICES, f"in [1, {MAX_CHOICES}]"),
     "logprobs": (True, 0, "vocab", "in [0, the vocabulary {vocab}]"),
     "top_logprobs": (True, 0, "vocab", "in [0, the vocabulary {vocab}]"),
     "seed": (True, -_INT64, _INT64 - 1, "a 64-bit integer"),
