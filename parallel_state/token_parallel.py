@@ -184,11 +184,15 @@ def destroy_model_parallel() -> None:
     it destroys a group, because destroying an NCCL group while CUDA graphs captured on it
     are still alive hangs (seen on H200 with torch 2.11: ``destroy_process_group`` never
     returned). It thaws the heap first: an engine freezes the objects alive once it is built
-    (``gc.freeze``), and a frozen cycle is never collected.
+    (``gc.freeze``), and a frozen cycle is never collected. What is left alive it freezes
+    again, so the next engine's collection, and every full one until then, scans only what
+    was allocated after it (as in a rank forked from a frozen forkserver:
+    ``tknp_megatron.forkserver_heap``).
     """
     global _GROUPS
     gc.unfreeze()
     gc.collect()
+    gc.freeze()
     if _GROUPS is not None and dist.is_initialized():
         dist.destroy_process_group(_GROUPS.tknp_group)
         if _GROUPS.num_pools > 1:

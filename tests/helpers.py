@@ -28,6 +28,7 @@ __all__ = [
     "save_and_run",
     "convert_and_run",
     "save_gpt_checkpoint",
+    "run_main_job",
     "load_job_module",
     "lockstep_plans",
     "mixed_requests",
@@ -254,6 +255,27 @@ def load_job_module(name: str = "run_tknp_decode"):
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+def run_main_job(*args) -> Tuple[int, str, str]:
+    """``python examples/run_tknp_decode.py ARGS`` run in this process: its exit status and
+    what it printed to stdout and stderr.
+
+    Everything the job does happens as in its own process (it resolves its inputs here and
+    spawns its pool, the reference beside it); what is saved is starting an interpreter and
+    a forkserver, each of which imports Megatron-Core: seconds of CPU per job. The job as a
+    real process, with the shell's exit status, is run by tests/test_readme.py and
+    tests/test_job_inputs.py. Unless ARGS name a ``--timeout``, a pool that hangs fails
+    after 300 s.
+    """
+    import contextlib
+    import io
+
+    argv = [str(a) for a in args] + ([] if "--timeout" in map(str, args) else ["--timeout", "300"])
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = load_job_module().main(argv)
+    return status, out.getvalue(), err.getvalue()
 
 
 def lockstep_plans(requests, nodes: int, steps: int) -> list:

@@ -150,7 +150,7 @@ def test_a_pool_with_fused_kernels_gives_the_same_tokens():
         torch.testing.assert_close(logits_a, logits_b, atol=1e-4, rtol=0)
 
 
-def test_bench_dense_runs_on_cpu(tmp_path):
+def test_bench_dense_runs_on_cpu(tmp_path, capsys):
     """``tools/bench_dense.py``'s CPU smoke run: one row per batch, fused (interpreted
     kernels) and not, the fused output within rounding of Megatron's modules; bad flags are
     one line before anything starts."""
@@ -168,8 +168,11 @@ def test_bench_dense_runs_on_cpu(tmp_path):
     for r in rows:
         assert r["layer_us"] > 0 and r["linears_us"] > 0 and r["weight_bytes"] > 0
         assert r["max_diff_vs_unfused"] <= 1e-5 * max(1.0, r["output_max"])
-    bad = subprocess.run(cmd[:-2] + ["--batches", "0"], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "--batches 0: must be at least 1" in bad.stderr.strip().splitlines()[-1]
+    from tknp_megatron.tools.bench_dense import main
+
+    with pytest.raises(SystemExit) as bad:  # the tool's entry point, in this process
+        main(cmd[3:-2] + ["--batches", "0"])
+    assert bad.value.code == 2 and "--batches 0: must be at least 1" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 ROPE_CASES = {

@@ -219,6 +219,7 @@ def heap_worker(rank: int, world: int, freeze: bool) -> dict:
     from tknp_megatron.config import get_preset
     from tknp_megatron.sampling import SamplingParams
 
+    frozen_at_start = gc.get_freeze_count()  # a fork of the pool's forkserver starts frozen
     groups = ps.initialize_model_parallel(tensor_model_parallel_size=1, token_parallel_size=1)
     config = EngineConfig(kv_tokens_per_node=256, cuda_graphs=True, freeze_gc=freeze)
     engine = build_engine(Mode.TKNP, get_preset("tiny"), groups, config, torch.device("cpu"), torch.float32)
@@ -229,20 +230,26 @@ def heap_worker(rank: int, world: int, freeze: bool) -> dict:
     cycle.append(cycle)  # the engine kept alive only by a reference cycle, as a caller might
     del engine, cycle
     ps.destroy_model_parallel()
-    return dict(frozen_built=frozen_built, frozen_after=gc.get_freeze_count(),
-                executor_collected=executor() is None, tokens=tokens)
+    return dict(frozen_at_start=frozen_at_start, frozen_built=frozen_built,
+                frozen_after=gc.get_freeze_count(), executor_collected=executor() is None, tokens=tokens)
 
 
 def test_engine_freezes_its_heap_and_the_teardown_collects_it():
     """EngineConfig.freeze_gc moves the built heap out of the collector's reach (so a full
     collection does not stall a step); destroy_model_parallel thaws and collects it, so an
-    engine dropped before it is gone, CUDA graphs included, before any group is destroyed."""
-    from tknp_megatron.launch import spawn
+    engine dropped before it is gone, CUDA graphs included, before any group is destroyed,
+    then freezes what is left. A rank forked from the pool's forkserver starts with the
+    server's imports frozen (tknp_megatron/forkserver_heap.py)."""
+    from tknp_megatron.launch import _context, spawn
 
     frozen = spawn(heap_worker, 1, (True,), timeout_s=180)[0]
     plain = spawn(heap_worker, 1, (False,), timeout_s=180)[0]
-    assert frozen["frozen_built"] > 10_000 and plain["frozen_built"] == 0
-    assert frozen["frozen_after"] == 0 and frozen["executor_collected"] and plain["executor_collected"]
+    if _context().get_start_method() == "forkserver":
+        assert frozen["frozen_at_start"] > 100_000 and plain["frozen_at_start"] > 100_000
+    assert frozen["frozen_built"] > frozen["frozen_at_start"] + 5_000  # the engine's own objects
+    assert plain["frozen_built"] <= plain["frozen_at_start"]  # freeze_gc off: nothing added
+    assert frozen["executor_collected"] and plain["executor_collected"]
+    assert frozen["frozen_after"] > 0  # what is left alive, frozen again
     assert frozen["tokens"] == plain["tokens"] and all(len(t) == 3 for t in frozen["tokens"])
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import load_job_module
+from tests.helpers import load_job_module, run_main_job
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "examples" / "run_tknp_decode.py"
@@ -160,31 +160,29 @@ def test_refused_requests_and_strict_json(tmp_path):
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps([[5, 6, 7], [1] * 1024, [9, 8]]))
     out = tmp_path / "out.json"
-    proc = subprocess.run([sys.executable, str(JOB), "--prompts-file", str(prompts), "--output-len", "1",
-                           "--nodes", "2", "--tp", "1", "--json", str(out), "--quiet"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    status, stdout, stderr = run_main_job("--prompts-file", prompts, "--output-len", 1, "--nodes", 2,
+                                          "--tp", 1, "--json", out, "--quiet")
+    assert status == 0, stderr[-3000:]
     report = json.loads(out.read_text())  # strict: json would refuse NaN only when asked,
     assert "NaN" not in out.read_text()   # so look for it too
     assert (report["completed"], report["rejected"]) == (2, 1)
     assert "request 1: prompt 1024 + max_new_tokens 1 = 1025 tokens exceeds max_sequence_length 1024" \
         in report["reject_reasons"]["1"]
     assert report["match_reference"] is True and report["itl_p95_s"] is None
-    assert "rejected: request 1" in proc.stdout
+    assert "rejected: request 1" in stdout
 
 
 def test_nothing_compared_is_not_a_match(tmp_path):
     """Every request refused (each needs more KV than a node holds): the report says the
     reference was not compared (null, "n/a"), not that it matched."""
     out = tmp_path / "out.json"
-    proc = subprocess.run([sys.executable, str(JOB), "--kv-tokens-per-node", "16", "--prompt-len", "30", "40",
-                           "--requests", "3", "--nodes", "2", "--tp", "1", "--json", str(out), "--quiet"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    status, stdout, stderr = run_main_job("--kv-tokens-per-node", 16, "--prompt-len", 30, 40, "--requests", 3,
+                                          "--nodes", 2, "--tp", 1, "--json", out, "--quiet")
+    assert status == 0, stderr[-3000:]
     report = json.loads(out.read_text())
     assert (report["completed"], report["rejected"]) == (0, 3)
     assert report["match_reference"] is None and report["token_match_rate"] is None
-    assert "match_reference: n/a" in proc.stdout
+    assert "match_reference: n/a" in stdout
 
 
 def _run_with_tty_stderr(*flags) -> str:
@@ -211,11 +209,16 @@ def _run_with_tty_stderr(*flags) -> str:
     return shown
 
 
-def test_progress_lines_on_a_terminal_only():
+def test_progress_lines_on_a_terminal_only(job, monkeypatch):
     shown = _run_with_tty_stderr()
     assert "TKNP: 4/4 requests" in shown and "reference: 4/4 requests" in shown
-    assert "TKNP:" not in _run_with_tty_stderr("--quiet", "--no-reference")
-    # piped stderr (not a terminal) shows none: checked on every run of tests/test_main_job.py
+    # --quiet on a terminal, and any stderr that is not one (piped, a file), show none (what
+    # Job.progress, which the ranks read, says; tests/test_multi_host.py pipes a real job's)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert job.prepare_job(job.parse_args([])).progress
+    assert not job.prepare_job(job.parse_args(["--quiet"])).progress
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    assert not job.prepare_job(job.parse_args([])).progress
 
 
 def test_a_flag_argparse_refuses_is_one_line_too(job, capsys, monkeypatch):

@@ -1,4 +1,5 @@
-"""The main job (examples/run_tknp_decode.py), run as a subprocess as a user would.
+"""The main job (examples/run_tknp_decode.py) with a user's flags (run in the test's
+process, its pool spawned as a user's is: tests/helpers.py, ``run_main_job``).
 
 (a) No arguments: the seeded tiny model on 2 nodes x TP2, 16 requests in >= 2 waves,
     tokens equal to the reference's, and the JSON keys the README promises.
@@ -15,8 +16,6 @@ The reference is the test in every case: match_reference must be true.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -25,12 +24,11 @@ import pytest
 from tests.helpers import (
     load_job_module,
     make_tiny_tokenizer,
+    run_main_job,
     save_gpt_checkpoint,
 )
 from tknp_megatron.launch import spawn
 
-ROOT = Path(__file__).resolve().parents[1]
-JOB = ROOT / "examples" / "run_tknp_decode.py"
 REQUIRED = (
     "match_reference", "requests", "completed", "rejected", "outputs", "owners", "waves",
     "kv_capacity_tokens", "completion_throughput_tok_s", "queue_wait_s_mean", "itl_p95_s",
@@ -46,10 +44,8 @@ TINY_CONFIG = dict(
 
 
 def _run_job(out: Path, *args) -> dict:
-    cmd = [sys.executable, str(JOB), "--json", str(out), *map(str, args)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "TKNP:" not in proc.stderr  # progress lines only on a terminal
+    status, stdout, stderr = run_main_job("--json", out, *args)
+    assert status == 0, stdout + stderr
     return json.loads(out.read_text())
 
 

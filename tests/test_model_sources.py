@@ -21,6 +21,7 @@ from tests.helpers import (
     convert_and_run,
     make_hf_llama,
     perturb_norms,
+    run_main_job,
     save_and_run,
     save_gpt_checkpoint,
 )
@@ -29,7 +30,6 @@ from tknp_megatron.launch import spawn
 from tknp_megatron.models.model_config import preset_from_model_config
 
 ROOT = Path(__file__).resolve().parents[1]
-JOB = ROOT / "examples" / "run_tknp_decode.py"
 SEED = 5
 
 
@@ -97,11 +97,10 @@ def _serve(tmp_path: Path, config: dict, vocab_rows: int, nodes: int, tp: int,
     spawn(save_worker, 1, (config, vocab_rows, str(ckpt), lm_args), timeout_s=120)
     out = tmp_path / "out.json"
     source = [] if lm_args is not None else ["--model-config", str(cfg)]
-    cmd = [sys.executable, str(JOB), "--json", str(out), "--load", str(ckpt), *source,
-           "--nodes", str(nodes), "--tp", str(tp), "--requests", "6",
-           "--output-len", "5", "--prompt-len", "3", "12", "--block-size", "4"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    status, stdout, stderr = run_main_job(
+        "--json", out, "--load", ckpt, *source, "--nodes", nodes, "--tp", tp, "--requests", 6,
+        "--output-len", 5, "--prompt-len", 3, 12, "--block-size", 4)
+    assert status == 0, stdout + stderr
     return json.loads(out.read_text())
 
 

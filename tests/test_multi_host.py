@@ -127,6 +127,7 @@ def test_main_job_on_two_hosts_of_tp2(tmp_path):
     finally:
         hosts.kill()
     assert codes == [0, 0], hosts.log(60)
+    assert not [line for line in hosts.lines if "TKNP:" in line]  # progress lines only on a terminal
     report = json.loads(out.read_text())
     assert report["match_reference"] is True and report["completed"] == 4
     assert report["model"] == "hf" and sorted(set(report["owners"])) == [0, 1]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import load_job_module
+from tests.helpers import load_job_module, run_main_job
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -116,8 +116,8 @@ def test_make_run_with_flags_and_its_printed_summary():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "match_reference: true" in proc.stdout
     (shown,) = [b for b in fenced_blocks() if b and b[0].startswith("TKNP decode:")]
-    job = subprocess.run([sys.executable, "examples/run_tknp_decode.py", "--quiet"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)
+    status, stdout, stderr = run_main_job("--quiet")  # the default run (in this process)
+    assert status == 0, stderr[-3000:]
     timed = re.compile(r"throughput|queue wait|max logit diff")
-    assert [x for x in job.stdout.splitlines() if not timed.search(x)] == [
+    assert [x for x in stdout.splitlines() if not timed.search(x)] == [
         x for x in shown if not timed.search(x)]

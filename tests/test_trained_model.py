@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import run_main_job
+
 ROOT = Path(__file__).resolve().parents[1]
-JOB = ROOT / "examples" / "run_tknp_decode.py"
 PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
 NEW_TOKENS = 16
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -55,9 +56,8 @@ def smollm2(tmp_path_factory):
 
 
 def _job(out: Path, *args) -> dict:
-    cmd = [sys.executable, str(JOB), "--json", str(out), "--output-len", str(NEW_TOKENS), *map(str, args)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    status, stdout, stderr = run_main_job("--json", out, "--output-len", NEW_TOKENS, *args)
+    assert status == 0, stdout[-3000:] + stderr[-3000:]
     return json.loads(out.read_text())
 
 

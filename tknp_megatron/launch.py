@@ -153,8 +153,10 @@ def _from_bytes(data: bytes) -> Any:
 
 # What a pool's processes import before anything else: loaded once in the forkserver,
 # then every worker starts from a fork of it instead of importing torch and Megatron-Core
-# again (about 4 s of CPU per process on a 2-core machine).
-PRELOAD = ("torch", "torch.distributed", "megatron.core", "tknp_megatron.engine.factory")
+# again (about 4 s of CPU per process on a 2-core machine); the last entry freezes what
+# they made (tknp_megatron/forkserver_heap.py).
+PRELOAD = ("torch", "torch.distributed", "megatron.core", "tknp_megatron.engine.factory",
+           "tknp_megatron.forkserver_heap")
 
 
 UNIX_PATH_MAX = 108  # bytes of a Unix socket's address on Linux, its final NUL included

@@ -50,12 +50,13 @@ MAX_BODY_BYTES = 2**30  # a request body's limit (a batch of long token-id promp
 __all__ = ["Frontend", "default_replicas", "helper_context"]
 
 # What the helper processes run, imported by their server before it forks the first one
-# (modules a megatron-core version lacks are skipped).
+# (modules a megatron-core version lacks are skipped); the last entry freezes what they made.
 HELPER_PRELOAD = (
     "torch", "torch.distributed", "megatron.core.inference.data_parallel_inference_coordinator",
     "megatron.core.inference.inference_client",
     "megatron.core.inference.text_generation_server.dynamic_text_gen_server.endpoints",
     "hypercorn.asyncio", "hypercorn.config", "tknp_megatron.serving.frontend",
+    "tknp_megatron.forkserver_heap",
 )
 
 

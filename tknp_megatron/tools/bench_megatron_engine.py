@@ -72,6 +72,8 @@ class PeerRow:
     decode_steps: int
     decode_step_ms: Optional[float]
     decode_tok_s: Optional[float]
+    decode_batch: int  # requests in each decode-phase step (the trace's, unless some were paused)
+    steps_after_prefill: int
     kv_buffer_gib: float
     block_size_tokens: int
     cuda_graphs: bool
@@ -259,6 +261,7 @@ def serve_trace(engine, prompts, output_len: int, first_id: int = 0):
         engine.add_request(rid, prompt, params)
     pending = set(ids)  # requests without a first token yet
     prefill_s, decode_times, decode_wall, decode_tokens, generated, completed = None, [], 0.0, 0, 0, 0
+    after = []  # (requests in the step, wall s) of each step once every request has its first token
     while engine.has_unfinished_requests():
         ts = time.perf_counter()
         result = engine.step_modern()
@@ -273,16 +276,22 @@ def serve_trace(engine, prompts, output_len: int, first_id: int = 0):
             if not pending:
                 prefill_s = te - t0
             continue
-        if active + len(result["finished_request_records"]) == len(prompts):  # the full batch decoding
-            decode_times.append(te - ts)
-            decode_wall += te - ts
-            decode_tokens += len(prompts)
+        after.append((active + len(result["finished_request_records"]), te - ts))
+    # the decode phase: the steps after every request has its first token that decode the
+    # largest batch seen then (the whole trace, unless the engine paused some requests)
+    full = max((n for n, _ in after), default=0)
+    for n, wall in after:
+        if n == full:
+            decode_times.append(wall)
+            decode_wall += wall
+            decode_tokens += n
     torch.cuda.synchronize()
     makespan = time.perf_counter() - t0
     return dict(makespan_s=makespan, prefill_s=prefill_s or makespan, generated=generated, completed=completed,
                 decode_steps=len(decode_times),
                 decode_step_ms=statistics.median(decode_times) * 1e3 if decode_times else None,
-                decode_tok_s=decode_tokens / decode_wall if decode_wall > 0 else None)
+                decode_tok_s=decode_tokens / decode_wall if decode_wall > 0 else None,
+                decode_batch=full, steps_after_prefill=len(after))
 
 
 def _has_token(engine, rid: int) -> bool:
@@ -334,7 +343,8 @@ def main(argv=None) -> int:
                 generated_tokens=run["generated"], makespan_s=run["makespan_s"],
                 completion_tok_s=run["generated"] / run["makespan_s"], prefill_s=run["prefill_s"],
                 decode_steps=run["decode_steps"], decode_step_ms=run["decode_step_ms"],
-                decode_tok_s=run["decode_tok_s"], kv_buffer_gib=buffer_gib,
+                decode_tok_s=run["decode_tok_s"], decode_batch=run["decode_batch"],
+                steps_after_prefill=run["steps_after_prefill"], kv_buffer_gib=buffer_gib,
                 block_size_tokens=args.block_size_tokens, cuda_graphs=args.cuda_graphs,
                 fa4_single_split=args.fa4_single_split)
             rows.append(asdict(row))

@@ -318,9 +318,12 @@ def _save_partial(row: dict, out_dir: Path) -> None:
 
 
 def _roofline(mode, preset, trace, world, args):
-    """Predicted step time at a run's mean resident batch and mean context; None off GPU
-    (the roofline is calibrated on H200s)."""
-    from tknp_megatron.analysis.roofline import predicted_step_s
+    """Predicted step time at a run's mean resident batch and mean context, on this GPU's
+    hardware (``roofline.hardware_for``: calibrated on H200s, scaled by HBM bandwidth for an
+    H100); None off GPU."""
+    import torch
+
+    from tknp_megatron.analysis.roofline import hardware_for, predicted_step_s
 
     if args.device != "cuda":
         return None
@@ -328,7 +331,8 @@ def _roofline(mode, preset, trace, world, args):
     n = len(trace.requests)
     context = sum(r.prompt_len + r.output_len / 2 for r in trace.requests) / n
     elem = 1.0 if args.fp8_recipe else 2.0  # FP8-stored GEMM weights: one byte each
-    return lambda batch: predicted_step_s(mode, preset, world, args.tp, batch, context, weight_elem=elem)
+    hw = hardware_for(torch.cuda.get_device_name())
+    return lambda batch: predicted_step_s(mode, preset, world, args.tp, batch, context, hw=hw, weight_elem=elem)
 
 
 def attention_description(name, device) -> str:
