@@ -24,6 +24,9 @@ def test_no_cuda_is_one_line_and_exit_2(capsys):
     (["--batches", "0"], "--batches 0: must be >= 1"),
     (["--output-len", "0"], "--output-len 0"),
     (["--contexts", "32768", "--max-tokens", "16384"], "--max-tokens 16384: must hold the longest prompt"),
+    (["--contexts", "32768", "--batches", "8", "16", "--max-tokens", "32768"],
+     "--max-tokens 32768: must hold the longest prompt and a token of each other request of the largest "
+     "batch (32768 + 16 - 1 = 32783"),
     (["--replicas", "4", "--batches", "2"], "--batches 2: fewer requests than --replicas 4"),
 ])
 def test_bad_flags_are_refused_naming_the_value(argv, needle, capsys):
@@ -31,6 +34,11 @@ def test_bad_flags_are_refused_naming_the_value(argv, needle, capsys):
         peer.parse_args(argv)
     assert exc.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+def test_the_default_pass_holds_the_longest_prompt_beside_the_batch():
+    assert peer.parse_args(["--contexts", "8192", "--batches", "16", "64"]).max_tokens == 16384  # Megatron's
+    assert peer.parse_args(["--contexts", "8192", "32768", "--batches", "8", "16"]).max_tokens == 32768 + 15
 
 
 def test_kv_buffer_holds_every_request_with_margin():

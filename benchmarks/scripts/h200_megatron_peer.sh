@@ -17,10 +17,6 @@ export PYTHONUNBUFFERED=1
 CTX=${CTX:-8192}; BATCH=${BATCH:-16 64}; LAYERS=${LAYERS:-12}; OUTLEN=${OUTLEN:-128}
 if [ "$NPROC" = 1 ]; then MODES=${MODES:-dp}; else MODES=${MODES:-tknp dp tp}; fi
 COMMON="--model llama3.1-70b --layers $LAYERS --contexts $CTX --batches $BATCH --output-len $OUTLEN"
-# Megatron prefills a prompt in one forward pass (no chunked prefill): its token budget per
-# pass must hold the longest prompt (its default, 16384, below 32K contexts)
-LONGEST=$(printf '%s\n' $CTX | sort -n | tail -n 1)
-MAX_TOKENS=$(( LONGEST > 16384 ? LONGEST : 16384 ))
 python -c "import megatron.core, torch; print('megatron-core', megatron.core.__version__, 'torch', torch.__version__)"
 timeout -k 5 ${OURS_TIMEOUT:-240} torchrun --nproc-per-node "$NPROC" -m tknp_megatron.tools.bench_serving \
   --device cuda --modes $MODES --cuda-graphs $COMMON --out /tmp/peer_ours > "$OUT/ours.txt" 2>&1
@@ -29,7 +25,7 @@ grep -a -v -i warn "$OUT/ours.txt" | tail -n 25
 peer() {  # name, the tool's extra flags, then the launcher
   local name=$1 flags=$2; shift 2
   timeout -k 5 ${PEER_TIMEOUT:-250} "$@" -m tknp_megatron.tools.bench_megatron_engine $COMMON --cuda-graphs \
-    --max-tokens $MAX_TOKENS $flags --out "$OUT/megatron_$name.json" > "$OUT/megatron_$name.txt" 2>&1
+    $flags --out "$OUT/megatron_$name.json" > "$OUT/megatron_$name.txt" 2>&1
   echo "megatron $name: exit $?"; grep -a -v -i warn "$OUT/megatron_$name.txt" | tail -n 12
 }
 if [ "$NPROC" = 1 ]; then
@@ -38,7 +34,7 @@ else
   peer tp2 "--tp 2" torchrun --nproc-per-node 2
   for i in 0 1; do
     CUDA_VISIBLE_DEVICES=$i timeout -k 5 ${PEER_TIMEOUT:-250} python -m tknp_megatron.tools.bench_megatron_engine \
-      $COMMON --cuda-graphs --max-tokens $MAX_TOKENS --replicas 2 --replica-index $i --out "$OUT/megatron_dp2_$i.json" \
+      $COMMON --cuda-graphs --replicas 2 --replica-index $i --out "$OUT/megatron_dp2_$i.json" \
       > "$OUT/megatron_dp2_$i.txt" 2>&1 &
   done
   wait; echo "megatron dp2: done"; tail -n 5 "$OUT"/megatron_dp2_*.txt

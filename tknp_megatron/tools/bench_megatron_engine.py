@@ -91,7 +91,9 @@ def parse_args(argv=None):
     p.add_argument("--replicas", type=int, default=1, help="data-parallel replicas the trace is split over")
     p.add_argument("--replica-index", type=int, default=0)
     p.add_argument("--block-size-tokens", type=int, default=256, help="Megatron's KV block (its default 256)")
-    p.add_argument("--max-tokens", type=int, default=16384, help="tokens per forward pass (Megatron's default)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="tokens per forward pass (default: Megatron's 16384, or the longest prompt plus a "
+                        "token for each other request of the largest batch where that is more)")
     p.add_argument("--cuda-graphs", action="store_true", help="Megatron's local CUDA graphs, block scope")
     p.add_argument("--num-cuda-graphs", type=int, default=16)
     p.add_argument("--fa4-single-split", dest="fa4_single_split", action="store_true", default=None,
@@ -106,9 +108,18 @@ def parse_args(argv=None):
     problems += model_problems(args.model, args.layers)
     if args.output_len < 1:
         problems.append(f"--output-len {args.output_len}: must be >= 1")
-    if args.block_size_tokens < 1 or args.max_tokens < max(args.contexts):
-        problems.append(f"--max-tokens {args.max_tokens}: must hold the longest prompt ({max(args.contexts)}; "
-                        "no chunked prefill)")
+    # Megatron prefills a prompt in one pass (no chunked prefill), beside a token of each
+    # request decoding: a pass that holds only the prompt admits it once every earlier
+    # request has finished, and the batch decodes one request at a time (seen at 32K)
+    need = max(args.contexts) + max(max(args.batches), 1) - 1
+    if args.max_tokens is None:
+        args.max_tokens = max(16384, need)
+    if args.block_size_tokens < 1:
+        problems.append(f"--block-size-tokens {args.block_size_tokens}: must be >= 1")
+    if args.max_tokens < need:
+        problems.append(f"--max-tokens {args.max_tokens}: must hold the longest prompt and a token of each "
+                        f"other request of the largest batch ({max(args.contexts)} + {max(args.batches)} - 1 = "
+                        f"{need}; no chunked prefill, and with less the batch decodes one request at a time)")
     if problems:
         p.error("; ".join(problems))
     return args
