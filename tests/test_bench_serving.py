@@ -168,22 +168,28 @@ def test_request_slots_per_node_reach_every_modes_engine(capsys):
 
 
 def test_the_roofline_of_a_row_counts_fp8_weights_at_one_byte():
-    """Rows of an FP8 run are held against the roofline of FP8-stored weights."""
+    """Rows of an FP8 run are held against the roofline of FP8-stored weights, on the
+    hardware of the GPU the run had (an H100's HBM is slower than the H200's)."""
     import types
 
-    from tknp_megatron.analysis.roofline import predicted_step_s
+    from tknp_megatron.analysis.roofline import H100, predicted_step_s
     from tknp_megatron.analysis.workload import fixed_length
     from tknp_megatron.config import PRESETS
     from tknp_megatron.tools.bench_serving import _roofline
 
     preset, trace = PRESETS["llama3.1-70b"], fixed_length(16, 8192, 256)
     context = 8192 + 256 / 2
+    h200 = "NVIDIA H200"
     for recipe, elem in ((None, 2.0), ("tensorwise", 1.0)):
         args = types.SimpleNamespace(device="cuda", tp=1, fp8_recipe=recipe)
-        predict = _roofline("dp", preset, trace, 1, args)
+        predict = _roofline("dp", preset, trace, 1, args, gpu=h200)
         assert predict(16) == predicted_step_s("dp", preset, 1, 1, 16, context, weight_elem=elem)
-    bf16 = _roofline("dp", preset, trace, 1, types.SimpleNamespace(device="cuda", tp=1, fp8_recipe=None))(16)
-    fp8 = _roofline("dp", preset, trace, 1, types.SimpleNamespace(device="cuda", tp=1, fp8_recipe="tensorwise"))(16)
+        on_h100 = _roofline("dp", preset, trace, 1, args, gpu="NVIDIA H100 80GB HBM3")(16)
+        assert on_h100 == predicted_step_s("dp", preset, 1, 1, 16, context, hw=H100, weight_elem=elem)
+        assert on_h100 > 1.3 * predict(16)
+    bf16 = _roofline("dp", preset, trace, 1, types.SimpleNamespace(device="cuda", tp=1, fp8_recipe=None), h200)(16)
+    fp8 = _roofline("dp", preset, trace, 1, types.SimpleNamespace(device="cuda", tp=1, fp8_recipe="tensorwise"),
+                    h200)(16)
     assert fp8 < 0.75 * bf16  # B = 16 at 8K: the weights' read is most of the step
     assert _roofline("dp", preset, trace, 1, types.SimpleNamespace(device="cpu", tp=1, fp8_recipe=None)) is None
 

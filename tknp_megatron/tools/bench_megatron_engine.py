@@ -15,11 +15,13 @@ the same seeded weights (``models/weights.fill_seeded_``, as every mode of
 
 Megatron prefills the prompts itself, while ``bench_serving`` ingests their KV from outside
 (a decode pool), so the comparable figures are the decode ones: ``decode_step_ms`` (median
-wall time of one ``step_modern`` call, host work included, over the decode-only steps at
-the full batch; bench_serving's ``step_ms`` is its median inter-token latency, the same
-quantity) and ``decode_tok_s``
-(tokens / wall time over those steps). Completion throughput including prefill is
-reported beside them.
+wall time of one ``step_modern`` call, host work included, over the steps after every
+request has its first token that decode the largest batch seen then, ``decode_batch``: the
+whole trace unless the engine paused some; bench_serving's ``step_ms`` is its median
+inter-token latency, the same quantity) and ``decode_tok_s`` (tokens / wall time over those
+steps). Completion throughput including prefill is reported beside them. ``--max-tokens``
+(one forward pass) must hold the longest prompt beside a token of each other request:
+with less, Megatron admits a prompt only once every earlier request has finished.
 
 Its paged attention is flash-attn's (FA4 ``flash_attn.cute.flash_attn_varlen_func`` when
 ``flash-attn-4`` is installed). flash-attn-4 4.0.0b36 refuses split-K on compute

@@ -317,12 +317,10 @@ def _save_partial(row: dict, out_dir: Path) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-def _roofline(mode, preset, trace, world, args):
-    """Predicted step time at a run's mean resident batch and mean context, on this GPU's
-    hardware (``roofline.hardware_for``: calibrated on H200s, scaled by HBM bandwidth for an
-    H100); None off GPU."""
-    import torch
-
+def _roofline(mode, preset, trace, world, args, gpu: Optional[str] = None):
+    """Predicted step time at a run's mean resident batch and mean context, on the hardware
+    of ``gpu`` (its name; default this process's GPU: ``roofline.hardware_for``, calibrated
+    on H200s and scaled by HBM bandwidth for an H100); None off GPU."""
     from tknp_megatron.analysis.roofline import hardware_for, predicted_step_s
 
     if args.device != "cuda":
@@ -331,7 +329,7 @@ def _roofline(mode, preset, trace, world, args):
     n = len(trace.requests)
     context = sum(r.prompt_len + r.output_len / 2 for r in trace.requests) / n
     elem = 1.0 if args.fp8_recipe else 2.0  # FP8-stored GEMM weights: one byte each
-    hw = hardware_for(torch.cuda.get_device_name())
+    hw = hardware_for(torch.cuda.get_device_name() if gpu is None else gpu)
     return lambda batch: predicted_step_s(mode, preset, world, args.tp, batch, context, hw=hw, weight_elem=elem)
 
 
