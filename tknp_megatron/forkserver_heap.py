@@ -10,7 +10,6 @@ server's pages shared instead of copying them into each rank (the use ``gc.freez
 documentation gives, for a process that forks workers).
 """
 
-import gc
+from tknp_megatron.engine.base import freeze_heap
 
-gc.collect()
-gc.freeze()
+freeze_heap()

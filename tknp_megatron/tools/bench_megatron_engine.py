@@ -113,7 +113,7 @@ def parse_args(argv=None):
     # Megatron prefills a prompt in one pass (no chunked prefill), beside a token of each
     # request decoding: a pass that holds only the prompt admits it once every earlier
     # request has finished, and the batch decodes one request at a time (seen at 32K)
-    need = max(args.contexts) + max(max(args.batches), 1) - 1
+    need = max(args.contexts) + max(args.batches) - 1
     if args.max_tokens is None:
         args.max_tokens = max(16384, need)
     if args.block_size_tokens < 1:
