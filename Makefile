@@ -27,8 +27,11 @@ run: venv
 serve: venv
 	$(PY) examples/serve_tknp.py $(ARGS)
 
+# Bytecode is written as the tests first import a module (tools/bootstrap_env.sh compiled
+# what the library imports), even where PYTHONDONTWRITEBYTECODE is set: each of the suite's
+# hundreds of processes would otherwise compile it again.
 test: venv
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) tests
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) tests
 
 clean:
 	rm -rf $(VENV)

@@ -37,7 +37,7 @@ setup(
         # msgpack for its coordinator, Flask (megatron-core 0.16) or Quart (0.17 and later)
         # with hypercorn for its HTTP front end.
         "serve": SERVE,
-        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.6", "triton", "psutil", "matplotlib>=3.6",
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.6", "filelock", "triton", "psutil", "matplotlib>=3.6",
                  "transformers", "safetensors", "gguf", "accelerate", "openai", "requests", "aiohttp"] + SERVE,
         "gpu": ["triton"],
         "te": ["transformer-engine[pytorch]"],

@@ -7,9 +7,21 @@ from tknp_megatron.launch import spawn
 
 
 @pytest.fixture(scope="session")
-def reference():
-    """Scenario name -> (reference outputs, K/V of prompt[:-1] or None)."""
-    return spawn(reference_worker, 1, (SCENARIOS, SEED), timeout_s=300)[0]
+def reference(tmp_path_factory, worker_id):
+    """Scenario name -> (reference outputs, K/V of prompt[:-1] or None).
+
+    Computed once per run (18 s of CPU): under pytest-xdist the first test process to ask
+    computes it into the processes' shared temporary folder, and the other reads it there."""
+    if worker_id == "master":
+        return spawn(reference_worker, 1, (SCENARIOS, SEED), timeout_s=300)[0]
+    import torch
+    from filelock import FileLock
+
+    path = tmp_path_factory.getbasetemp().parent / "reference.pt"
+    with FileLock(f"{path}.lock", timeout=600):
+        if not path.is_file():
+            torch.save(spawn(reference_worker, 1, (SCENARIOS, SEED), timeout_s=300)[0], path)
+        return torch.load(path, weights_only=False)
 
 
 # The files that take longest on a 2-core machine (each 1.5-3 minutes in a run of

@@ -177,3 +177,16 @@ def test_a_reply_to_params_megatron_refuses_is_still_built():
     item = reply_item(7, [1, 2, 3], params, tokenizer=None, failure="request 7: refused")
     status = item["requests"][0]["status"] if "requests" in item else item["status"]
     assert status == "FAILED"
+
+
+@pytest.mark.parametrize("transient", [False, True])
+def test_a_failure_says_whether_the_request_itself_was_refused(transient):
+    """A refusal for what the request asks is a non-transient error (Megatron's endpoints
+    answer 400); a request the server ended (a stop, a failing pool) a transient one (500)."""
+    from tknp_megatron.serving.megatron_types import reply_item
+
+    item = reply_item(7, [1, 2, 3], {}, tokenizer=None, failure="request 7: ended", transient=transient)
+    request = item["requests"][0] if "requests" in item else item
+    errors = [e for e in request["events"] if e["type"].startswith("ERROR")]
+    assert [e["type"] for e in errors] == ["ERROR_TRANSIENT" if transient else "ERROR_NONTRANSIENT"]
+    assert errors[0]["payload"]["message"] == "request 7: ended" and request["status"] == "FAILED"

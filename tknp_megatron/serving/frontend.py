@@ -19,7 +19,9 @@ its server launchers do:
   JSON object or has an empty prompt is answered 400 naming that, before the blueprints;
   and because 0.16's completions endpoint answers a FAILED request with empty text and
   status 200, its client raises the request's failure reason instead, which the endpoint
-  returns as an error response (0.17 and later check the status themselves).
+  returns as an error response: 400 for a request refused for what it asks, 500 for one a
+  stop or a failing pool ended, as 0.17 and later answer them (they check the status
+  themselves).
 
 The helper processes are forks of one server process (:func:`helper_context`) that has
 imported what they run once, so none of them imports Megatron-Core again (seconds of CPU
@@ -288,16 +290,45 @@ class _FailedAsError:
         return getattr(self._client, name)
 
 
+class RequestFailed(RuntimeError):
+    """A request the pools answered FAILED, with their reason; ``for_what_it_asks``: the
+    error is non-transient (refused for its own values, so the same request would be
+    refused again), where a transient one (the server stopped, a pool failed) is not."""
+
+    def __init__(self, reason: str, for_what_it_asks: bool):
+        super().__init__(reason)
+        self.for_what_it_asks = for_what_it_asks
+
+
 async def _raise_if_failed(future):
+    """The request's record once it ends; :class:`RequestFailed` if it failed, which the
+    request's Flask context notes for :func:`_status_of_failures`."""
     from megatron.core.inference.inference_request import DynamicInferenceEventType, Status
 
     record = await future
+    errors = (DynamicInferenceEventType.ERROR_NONTRANSIENT, DynamicInferenceEventType.ERROR_TRANSIENT)
     for request in record.requests:
         if request.status == Status.FAILED:
-            errors = [e.payload for e in request.events
-                      if e.type == DynamicInferenceEventType.ERROR_NONTRANSIENT and e.payload]
-            raise RuntimeError(errors[-1].message if errors else "request failed")
+            events = [e for e in request.events if e.type in errors and e.payload]
+            refused = any(e.type == DynamicInferenceEventType.ERROR_NONTRANSIENT for e in events)
+            if refused:
+                from flask import g, has_app_context
+
+                if has_app_context():
+                    g.tknp_refused = True
+            raise RequestFailed(events[-1].payload.message if events else "request failed", refused)
     return record
+
+
+def _status_of_failures(response):
+    """megatron-core 0.16's endpoints answer a request whose inference raised with 500; for
+    one the pools refused for what it asks, 400, as 0.17 and later answer a request FAILED
+    with a non-transient error (Flask ``after_request``)."""
+    from flask import g
+
+    if response.status_code == 500 and g.get("tknp_refused"):
+        response.status_code = 400
+    return response
 
 
 _INT64 = 2**63
@@ -421,6 +452,7 @@ async def _http_main(address: str, tokenizer, host: str, port: int, stop, listen
         app.config["client"] = _FailedAsError(client)
         app.before_request(lambda: _body_problem(request.method, request.get_json(silent=True),
                                                  tokenizer.vocab_size, request.path))
+        app.after_request(_status_of_failures)
     else:
         from quart import Quart, request
 

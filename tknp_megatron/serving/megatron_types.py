@@ -223,15 +223,19 @@ def reply_item(
     tokenizer,
     result: Optional[GenerationResult] = None,
     failure: Optional[str] = None,
+    transient: bool = False,
 ) -> Dict[str, Any]:
     """One ended request as the installed megatron-core serializes it for its coordinator.
 
-    ``result`` is the engine's (completed or rejected); ``failure`` a reason for a request
-    that never reached the engine. A completed request is COMPLETED with its generated
-    tokens, their log-probs and top-n log-probs (``{token text: log-prob}`` per token, as
-    Megatron's engine detokenizes them), a stop word kept or trimmed as the installed
-    version's engine does; anything else is FAILED with an ERROR_NONTRANSIENT event
-    carrying the reason, which Megatron's front end reports.
+    ``result`` is the engine's (completed, rejected or aborted); ``failure`` a reason for a
+    request that never reached the engine. A completed request is COMPLETED with its
+    generated tokens, their log-probs and top-n log-probs (``{token text: log-prob}`` per
+    token, as Megatron's engine detokenizes them), a stop word kept or trimmed as the
+    installed version's engine does; anything else is FAILED with an error event carrying
+    the reason, which Megatron's front end reports: ERROR_NONTRANSIENT for a request refused
+    for what it asks (the same request would be refused again; Megatron's endpoints answer
+    400), ERROR_TRANSIENT where ``transient`` (the server stopped or a pool failed under it:
+    sent again, it may complete; they answer 500).
     """
     from megatron.core.inference.contexts.dynamic_context import ContextOverflowError
     from megatron.core.inference.inference_request import (
@@ -265,8 +269,11 @@ def reply_item(
     else:
         reason = failure or (result.reject_reason if result is not None else None) or "request failed"
         request.status = Status.FAILED
-        request.add_event_error_nontransient(
-            ContextOverflowError(request_id, message=reason, is_transient=False))
+        error = ContextOverflowError(request_id, message=reason, is_transient=transient)
+        if transient:
+            request.add_event_error_transient(error)
+        else:
+            request.add_event_error_nontransient(error)
         request.add_event_fail()
     if REPLIES_ARE_RECORDS:
         return DynamicInferenceRequestRecord.from_request(request).serialize()

@@ -9,8 +9,9 @@ the pool follow from :meth:`~tknp_megatron.engine.base.InferenceEngine.serve` as
   when the pool is busy.
 - An idle pool waits on the link for at most ``idle_tick_s`` and then broadcasts an idle
   plan, so no rank's wait for the next step ever reaches the collective timeout.
-- Every request ends with a reply: COMPLETED, or FAILED with the reason (refused at once,
-  rejected by the engine, or ended by a stop or a pool failure).
+- Every request ends with a reply: COMPLETED, or FAILED with the reason: refused at once or
+  rejected by the engine for what it asks (a non-transient error: Megatron's endpoints
+  answer 400), or ended by a stop or a pool failure (transient: 500).
 - PAUSE stops stepping (requests are kept, new ones queue) until UNPAUSE; STOP, or
   ``should_stop()`` (a signal), ends the remaining requests and stops the pool's ranks;
   requests that still arrive afterwards are refused with the reason until the link has
@@ -180,15 +181,17 @@ class PoolServer:
         self._send([reply_item(request_id, prompt, params, self.tokenizer,
                                failure=f"request {request_id}: {reason}")])
 
-    def _reply(self, request_ids: List[int]) -> None:
-        """Reply with ended requests and forget them (a server runs indefinitely)."""
+    def _reply(self, request_ids: List[int], transient: bool = False) -> None:
+        """Reply with ended requests and forget them (a server runs indefinitely);
+        ``transient``: those that failed were ended by the server, not for what they ask."""
         items = []
         for rid in request_ids:
             prompt, params = self._open.pop(rid)
             try:
-                items.append(reply_item(rid, prompt, params, self.tokenizer, self.engine.result(rid)))
+                items.append(reply_item(rid, prompt, params, self.tokenizer, self.engine.result(rid),
+                                        transient=transient))
             except Exception as err:  # a reply no check foresaw: it fails alone, the pool serves on
-                items.append(reply_item(rid, prompt, params, self.tokenizer,
+                items.append(reply_item(rid, prompt, params, self.tokenizer, transient=True,
                                         failure=f"request {rid}: its reply could not be built "
                                                 f"({type(err).__name__}: {err})"))
             self.engine.forget(rid)
@@ -243,10 +246,10 @@ class PoolServer:
                 last = time.monotonic()
                 if message.header == "SUBMIT_REQUEST":
                     request_id, prompt, params = message.fields
-                    self._send([reply_item(request_id, prompt, params, self.tokenizer,
+                    self._send([reply_item(request_id, prompt, params, self.tokenizer, transient=True,
                                            failure=f"request {request_id}: {reason}")])
 
     def _end_open(self, reason: str) -> None:
         """Every open request ends FAILED with ``reason`` (no collective is run)."""
         ended = self.engine.abort_all(reason)
-        self._reply([rid for rid in ended if rid in self._open])
+        self._reply([rid for rid in ended if rid in self._open], transient=True)
