@@ -102,3 +102,24 @@ def test_a_free_port_for_a_server_lies_below_the_ephemeral_range():
     assert all(10000 <= p < low for p in ports) and len(ports) > 1
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", ports.pop()))  # free, as promised
+
+
+def test_megatron_core_imports_without_torch_compile_where_torch_has_no_gpu_build():
+    """A process that imports the library first imports Megatron-Core with its ``jit_fuser``
+    the identity where torch was built without CUDA (no TorchDynamo or Inductor imported;
+    torch's own ``torch.compile`` back afterwards), and untouched where torch has CUDA."""
+    import torch
+
+    code = ("import sys, torch, tknp_megatron, megatron.core.jit as jit\n"
+            "import tknp_megatron.engine.factory, tknp_megatron.models.reference\n"
+            "f = lambda x: x\n"
+            "print(jit.jit_fuser(f) is f, 'torch._dynamo' in sys.modules, torch.compile.__module__)\n")
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    uncompiled, dynamo, module = proc.stdout.split()
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        assert (uncompiled, dynamo) == ("True", "False")
+    else:
+        assert uncompiled == "False"
+    assert module == "torch"

@@ -155,7 +155,7 @@ def _from_bytes(data: bytes) -> Any:
 # then every worker starts from a fork of it instead of importing torch and Megatron-Core
 # again (about 4 s of CPU per process on a 2-core machine); the last entry freezes what
 # they made (tknp_megatron/forkserver_heap.py).
-PRELOAD = ("torch", "torch.distributed", "megatron.core", "tknp_megatron.engine.factory",
+PRELOAD = ("tknp_megatron", "torch", "torch.distributed", "megatron.core", "tknp_megatron.engine.factory",
            "tknp_megatron.forkserver_heap")
 
 

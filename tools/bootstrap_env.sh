@@ -43,6 +43,7 @@ export PYTHONDONTWRITEBYTECODE=
 "$venv/bin/python" -W ignore -c "import torch" >/dev/null 2>&1 || true
 "$venv/bin/python" -W ignore -c "import megatron.core, tknp_megatron.engine.factory, tknp_megatron.serving.frontend, \
 tknp_megatron.models.reference, torch._dynamo, torch._inductor.compile_fx" >/dev/null 2>&1 &
-"$venv/bin/python" -W ignore -c "import transformers, tokenizers, openai, flask, quart, hypercorn.asyncio, zmq, msgpack, \
-matplotlib.pyplot, safetensors, gguf, requests, psutil, pytest, xdist" >/dev/null 2>&1 || true
+"$venv/bin/python" -W ignore -c "import transformers, transformers.models.llama.modeling_llama, tokenizers, accelerate, \
+openai, flask, quart, hypercorn.asyncio, anyio, zmq, msgpack, matplotlib.pyplot, safetensors, gguf, requests, psutil, \
+pytest, xdist, xdist.remote, execnet, triton.language" >/dev/null 2>&1 || true
 wait || true

@@ -54,7 +54,7 @@ __all__ = ["Frontend", "default_replicas", "helper_context"]
 # What the helper processes run, imported by their server before it forks the first one
 # (modules a megatron-core version lacks are skipped); the last entry freezes what they made.
 HELPER_PRELOAD = (
-    "torch", "torch.distributed", "megatron.core.inference.data_parallel_inference_coordinator",
+    "tknp_megatron", "torch", "torch.distributed", "megatron.core.inference.data_parallel_inference_coordinator",
     "megatron.core.inference.inference_client",
     "megatron.core.inference.text_generation_server.dynamic_text_gen_server.endpoints",
     "hypercorn.asyncio", "hypercorn.config", "tknp_megatron.serving.frontend",
@@ -290,19 +290,11 @@ class _FailedAsError:
         return getattr(self._client, name)
 
 
-class RequestFailed(RuntimeError):
-    """A request the pools answered FAILED, with their reason; ``for_what_it_asks``: the
-    error is non-transient (refused for its own values, so the same request would be
-    refused again), where a transient one (the server stopped, a pool failed) is not."""
-
-    def __init__(self, reason: str, for_what_it_asks: bool):
-        super().__init__(reason)
-        self.for_what_it_asks = for_what_it_asks
-
-
 async def _raise_if_failed(future):
-    """The request's record once it ends; :class:`RequestFailed` if it failed, which the
-    request's Flask context notes for :func:`_status_of_failures`."""
+    """The request's record once it ends; if it failed, ``RuntimeError`` with the pool's
+    reason, and where the failure is non-transient (refused for what the request asks, so
+    it would be refused again; not a stop or a failing pool) the request's Flask context
+    notes that for :func:`_status_of_failures`."""
     from megatron.core.inference.inference_request import DynamicInferenceEventType, Status
 
     record = await future
@@ -316,7 +308,7 @@ async def _raise_if_failed(future):
 
                 if has_app_context():
                     g.tknp_refused = True
-            raise RequestFailed(events[-1].payload.message if events else "request failed", refused)
+            raise RuntimeError(events[-1].payload.message if events else "request failed")
     return record
 
 
