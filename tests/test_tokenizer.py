@@ -54,7 +54,8 @@ def test_missing_folder(tmp_path):
 def test_chat_template_as_megatrons_chat_endpoint_calls_it(tmp_path):
     """``apply_chat_template(messages, tokenize=True, add_generation_prompt=True)``, as
     Megatron's chat endpoint calls it: transformers' own ids, as a list of ints; no template,
-    AttributeError (which that endpoint reports as such)."""
+    AttributeError (which that endpoint reports as such). ``chat_template`` names the
+    template (megatron-core 0.17+ applies one only where it is set) or is None."""
     transformers = pytest.importorskip("transformers")
     folder = make_tiny_tokenizer(tmp_path / "chat", chat_template=CHAT_TEMPLATE)
     messages = [{"role": "system", "content": "the quick model"}, {"role": "user", "content": "decodes tokens"}]
@@ -65,6 +66,9 @@ def test_chat_template_as_megatrons_chat_endpoint_calls_it(tmp_path):
     ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
     assert type(ids) is list and all(type(i) is int for i in ids)
     assert ids == hf(expected, add_special_tokens=False)["input_ids"] and ids[0] == tok.bos_id
+    assert tok.chat_template == hf.chat_template == CHAT_TEMPLATE
+    plain = Tokenizer(make_tiny_tokenizer(tmp_path / "plain"))
+    assert plain.chat_template is None
     with pytest.raises(AttributeError, match="no chat template"):
-        Tokenizer(make_tiny_tokenizer(tmp_path / "plain")).apply_chat_template(messages)
+        plain.apply_chat_template(messages)
 

@@ -10,6 +10,9 @@ buffer, so a Megatron ``TransformerLayer`` cannot run its own core attention on 
 Megatron's inference request types mark NVTX ranges in ``serialize``
 (``torch.cuda.nvtx.range_push``), which raise on a CPU build of torch; a server on CPU
 calls :func:`allow_nvtx_without_cuda` first, which makes them no-ops there.
+
+One more acts before Megatron-Core is imported, so it cannot live here (this module imports
+Megatron's classes): :mod:`tknp_megatron.cpu_import`.
 """
 
 from __future__ import annotations

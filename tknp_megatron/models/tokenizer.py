@@ -9,7 +9,7 @@ BOS is kept when the tokenizer puts one in front by default (Llama's ``<s>`` /
 output. EOS, when the tokenizer names one, is what stops generation.
 
 :class:`Tokenizer` also has the interface Megatron-Core's inference server and
-coordinator call (``tokenize`` / ``detokenize`` / ``apply_chat_template`` / ``eod`` / ``bos`` /
+coordinator call (``tokenize`` / ``detokenize`` / ``apply_chat_template`` / ``chat_template`` / ``eod`` / ``bos`` /
 ``vocab_size``, as ``megatron.core.tokenizers`` tokenizers have) and pickles as its folder, so the same object
 serves the main job and Megatron's server processes. :func:`server_tokenizer` gives a model
 without a tokenizer folder Megatron's own null tokenizer (text is space-separated ids).
@@ -140,6 +140,13 @@ class Tokenizer:
         out = self._hf.apply_chat_template(conversation, chat_template=template, tokenize=tokenize,
                                            return_dict=False, **kwargs)
         return [int(t) for t in out] if tokenize else out
+
+    @property
+    def chat_template(self) -> Optional[str]:
+        """The folder's chat template, or None: megatron-core 0.17 and later render chat
+        messages through :meth:`apply_chat_template` only where this is set (and join the
+        messages' text otherwise)."""
+        return getattr(self._hf, "chat_template", None) if self._hf is not None else None
 
     @property
     def eod(self) -> Optional[int]:
