@@ -3,7 +3,7 @@
 The one CPU shim that has to act before Megatron-Core is imported (the others need its
 classes: :mod:`tknp_megatron.models.cpu_shims`). Megatron decorates its fused activations,
 norms and bias-dropout-adds with ``megatron.core.jit.jit_fuser``, which is
-``torch.compile``; decorating imports TorchDynamo and Inductor, 2.5 s of CPU in every
+``torch.compile``; decorating imports TorchDynamo and Inductor, about 3 s of CPU in every
 process that imports Megatron-Core (a job's launcher and its forkserver, each tool run).
 Where torch has no CUDA (or ROCm) build those functions can only run on CPU, and they run
 as written: Megatron's own ``disable_jit_fuser`` makes the same choice. So while
