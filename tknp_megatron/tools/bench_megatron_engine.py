@@ -273,7 +273,7 @@ def serve_trace(engine, prompts, output_len: int, first_id: int = 0):
     for rid, prompt in zip(ids, prompts):
         engine.add_request(rid, prompt, params)
     pending = set(ids)  # requests without a first token yet
-    prefill_s, decode_times, decode_wall, decode_tokens, generated, completed = None, [], 0.0, 0, 0, 0
+    prefill_s, generated, completed = None, 0, 0
     after = []  # (requests in the step, wall s) of each step once every request has its first token
     while engine.has_unfinished_requests():
         ts = time.perf_counter()
@@ -293,17 +293,14 @@ def serve_trace(engine, prompts, output_len: int, first_id: int = 0):
     # the decode phase: the steps after every request has its first token that decode the
     # largest batch seen then (the whole trace, unless the engine paused some requests)
     full = max((n for n, _ in after), default=0)
-    for n, wall in after:
-        if n == full:
-            decode_times.append(wall)
-            decode_wall += wall
-            decode_tokens += n
+    decode_times = [wall for n, wall in after if n == full]
     torch.cuda.synchronize()
     makespan = time.perf_counter() - t0
+    decode_wall = sum(decode_times)
     return dict(makespan_s=makespan, prefill_s=prefill_s or makespan, generated=generated, completed=completed,
                 decode_steps=len(decode_times),
                 decode_step_ms=statistics.median(decode_times) * 1e3 if decode_times else None,
-                decode_tok_s=decode_tokens / decode_wall if decode_wall > 0 else None,
+                decode_tok_s=full * len(decode_times) / decode_wall if decode_wall > 0 else None,
                 decode_batch=full, steps_after_prefill=len(after))
 
 
