@@ -3,7 +3,11 @@
 pre-MLP norm and the MLP's activation, for RMSNorm + SwiGLU (Llama), zero-centred LayerNorm +
 squared ReLU (Nemotron) and LayerNorm + GELU with biases (GPT); the owners' RoPE + K/V append
 kernel (``Rope.rotate_and_append``) against Megatron's rotation and the cache write; then a
-whole engine with and without them all gives the same greedy tokens.
+whole engine with and without them all gives the same greedy tokens. The FP8 input kernels
+(``fp8_inputs.py``): the amax each producer takes, and the cast against Transformer Engine's
+current scaling as torch computes it (every E4M3 value and the midpoints between them, the
+scale's guards); the whole path through TE's GEMMs is tested on a GPU
+(``tests/test_fp8_inputs.py``).
 
 TRITON_INTERPRET is read when a kernel is decorated: the kernels module is imported lazily
 (first use), and the spawned workers inherit the variable.
@@ -94,8 +98,8 @@ def test_fused_steps_equal_megatrons_modules(case):
 
 def test_fusion_is_chosen_per_device_and_flag():
     out = spawn(_choice_worker, 1, (), timeout_s=120)[0]
-    assert out == dict(enabled="DenseFusion(norms=True, activation='silu', gated=True, rope=False)",
-                       with_rope="DenseFusion(norms=True, activation='silu', gated=True, rope=True)",
+    assert out == dict(enabled="DenseFusion(norms=True, activation='silu', gated=True, rope=False, fp8_rows=0)",
+                       with_rope="DenseFusion(norms=True, activation='silu', gated=True, rope=True, fp8_rows=0)",
                        disabled=None, default=None, no_triton_device=None)
 
 
@@ -240,3 +244,104 @@ def test_fused_rope_and_append_equal_megatrons_rotation_and_the_cache_write(case
     assert torch.equal(cache_fused, cache_megatron)
     assert not torch.equal(cache_fused, start)  # the rows were written
     assert fused.dtype == megatron.dtype and torch.equal(fused, megatron)
+
+
+# ---------------------------------------------------------------- FP8 inputs: amax and cast
+
+
+def _te_scale(amax: float, max_fp8=448.0, epsilon=0.0, pow2=False) -> torch.Tensor:
+    """Transformer Engine's ``compute_scale_from_amax`` in fp32 (torch's division rounds to nearest)."""
+    a = torch.tensor(amax, dtype=torch.float32)
+    if a < epsilon:
+        a = torch.tensor(epsilon, dtype=torch.float32)
+    if torch.isinf(a) or a == 0 or torch.isnan(a):
+        return torch.tensor(1.0)
+    scale = torch.tensor(max_fp8, dtype=torch.float32) / a
+    if torch.isinf(scale):
+        scale = torch.tensor(torch.finfo(torch.float32).max)
+    if pow2:
+        scale = (scale.view(torch.int32) & -8388608).view(torch.float32)  # 0xFF800000
+    return scale
+
+
+def _cast(x: torch.Tensor, amax_in: float, **scaling):
+    """The cast kernel on ``x`` with partial maxima whose largest is ``amax_in``, in two
+    programs of 64-element blocks (each looping over its blocks): (bits, scale_inv). NaN
+    partials are passed over, as TE's amax (``fmaxf``) passes over NaN values: all NaN is an
+    amax of 0."""
+    from tknp_megatron.executor.dense_kernels import quantize_kernel
+
+    partials = torch.tensor([0.5 * amax_in, amax_in, 0.0], dtype=torch.float32)
+    out = torch.empty(x.shape, dtype=torch.uint8)
+    scale_inv = torch.empty(1)
+    quantize_kernel[(2,)](x, partials, 3, out, scale_inv, x.numel(), scaling.get("max_fp8", 448.0),
+                          scaling.get("epsilon", 0.0), POW2=scaling.get("pow2", False), BITS=True, BLOCK=64,
+                          PBLOCK=2)
+    return out, scale_inv
+
+
+def test_cast_writes_every_e4m3_value_and_rounds_to_nearest_even():
+    """At scale 1 (amax 448) every finite E4M3 value comes back as its own bits, the points
+    between neighbours round to the even one, values past 448 saturate, NaN stays NaN, as
+    torch's (and a GPU's) conversion does; the interpreter's own conversion would not."""
+    codes = torch.arange(0, 127, dtype=torch.uint8)  # +0 .. 448 (0x7F is NaN)
+    values = codes.view(torch.float8_e4m3fn).float()
+    mids = (values[:-1] + values[1:]) / 2
+    x = torch.cat([values, -values, mids, -mids, torch.tensor([449.0, 463.9, 464.0, 1e6, float("inf"),
+                                                               -float("inf"), 2.0 ** -10, 2.0 ** -12])])
+    bits, scale_inv = _cast(x, 448.0)
+    expected = x.to(torch.float8_e4m3fn).view(torch.uint8)
+    assert torch.equal(bits[: 2 * len(values)], expected[: 2 * len(values)])
+    assert torch.equal(bits, expected), x[bits != expected]
+    nan_bits = _cast(torch.tensor([float("nan"), 1.0]), 448.0)[0]
+    assert nan_bits[0].item() & 0x7F == 0x7F and nan_bits[1].item() == 0x38
+    assert scale_inv.item() == 1.0
+
+
+@pytest.mark.parametrize("amax_in,scaling", [
+    (3.7, {}), (1e-3, {}), (0.0, {}), (float("inf"), {}), (float("nan"), {}), (1e-40, {}),
+    (3.7, dict(pow2=True)), (1e-3, dict(epsilon=0.5)), (900.0, dict(max_fp8=57344.0)),
+])
+def test_cast_scales_as_transformer_engine(amax_in, scaling):
+    """TE's scale from the amax (and its guards: a zero, infinite or NaN amax scales by 1,
+    an overflowing quotient by the largest float, a power of two on request, the epsilon
+    floor), its reciprocal as the scale-inverse, and the values cast with it."""
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(3, 100, generator=g) * 2).to(torch.bfloat16)
+    bits, scale_inv = _cast(x, amax_in, **scaling)
+    scale = _te_scale(amax_in, **{k: v for k, v in scaling.items()})
+    assert scale_inv.item() == (1.0 / scale).item()
+    if scaling.get("max_fp8", 448.0) == 448.0:
+        expected = (x.float() * scale).to(torch.float8_e4m3fn).view(torch.uint8)
+        assert torch.equal(bits, expected)
+
+
+def test_producers_write_the_partial_maxima_of_what_they_write():
+    """The norm (with the residual add before it) writes each row's largest magnitude of its
+    fp32 output before rounding, as TE's norm kernel takes it; the activation and the amax
+    kernel each program's largest magnitude of the tensor they write."""
+    from tknp_megatron.executor.dense_fusion import activation_blocks, fused_activation, launch_add_norm
+    from tknp_megatron.executor.dense_kernels import amax_kernel
+
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(5, 1, 300, generator=g) * 3).to(torch.bfloat16)
+    res = torch.randn(5, 1, 300, generator=g).to(torch.bfloat16)
+    w = (torch.rand(300, generator=g) + 0.5).to(torch.bfloat16)
+    rows = torch.full((5,), float("nan"))
+    normed, total = launch_add_norm(x, res, None, w, None, 1e-5, rms=True, zero_centred=False, amax=rows)
+    h = (x.float() + res.float()).to(torch.bfloat16).float()
+    y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * w.float()
+    torch.testing.assert_close(rows, y.abs().amax(-1).flatten(), rtol=1e-6, atol=0)
+    assert torch.equal(total, h.to(torch.bfloat16)) and torch.equal(normed, y.to(torch.bfloat16))
+
+    fc1 = (torch.randn(5, 1, 2 * 1500, generator=g) * 4).to(torch.bfloat16)
+    blocks = torch.full((activation_blocks(fc1, True),), float("nan"))
+    assert blocks.numel() == 5 * 2  # 1500 columns in blocks of 1024
+    out = fused_activation(fc1, None, "silu", True, amax=blocks)
+    by_block = torch.nn.functional.pad(out.float().abs().reshape(5, 1500), (0, 548)).reshape(5, 2, 1024).amax(-1)
+    assert torch.equal(blocks, by_block.flatten())
+
+    flat = (torch.randn(7000, generator=g) * 5).to(torch.bfloat16)
+    partials = torch.full((7,), float("nan"))
+    amax_kernel[(7,)](flat, partials, flat.numel(), BLOCK=1024)
+    assert torch.equal(partials, torch.nn.functional.pad(flat.float().abs(), (0, 168)).reshape(7, 1024).amax(-1))

@@ -42,22 +42,22 @@ def pad_rows(x: torch.Tensor, align: int) -> torch.Tensor:
 
 def qkv_projection(block, hidden: torch.Tensor, fusion: Optional[DenseFusion] = None) -> torch.Tensor:
     """``[rows, 1, D]`` -> ``[rows, qkv_width / T]`` (this TP rank's fused QKV columns)."""
-    normed = fusion.input_norm(block, hidden) if fusion is not None else block.input_layernorm(hidden)
-    qkv, _ = block.self_attention.linear_qkv(normed)
+    if fusion is not None:
+        qkv = fusion.qkv(block, hidden)
+    else:
+        qkv, _ = block.self_attention.linear_qkv(block.input_layernorm(hidden))
     return qkv.view(hidden.shape[0], qkv.shape[-1])
 
 
 def finish_layer(block, attn: torch.Tensor, residual: torch.Tensor,
                  fusion: Optional[DenseFusion] = None) -> torch.Tensor:
     """Attention output ``[rows, 1, heads * d / T]`` and residual ``[rows, 1, D]`` -> ``[rows, 1, D]``."""
+    if fusion is not None:
+        return fusion.finish(block, attn, residual)
     cfg = block.config
     out, bias = block.self_attention.linear_proj(attn)
-    if fusion is None:
-        hidden = block.self_attn_bda(False, cfg.bias_dropout_fusion)((out, bias), residual, block.hidden_dropout)
-        mlp_out = block.mlp(block.pre_mlp_layernorm(hidden))
-    else:
-        hidden, normed = fusion.add_norm(block, out, bias, residual)
-        mlp_out = fusion.mlp(block, normed)
+    hidden = block.self_attn_bda(False, cfg.bias_dropout_fusion)((out, bias), residual, block.hidden_dropout)
+    mlp_out = block.mlp(block.pre_mlp_layernorm(hidden))
     return block.mlp_bda(False, cfg.bias_dropout_fusion)(mlp_out, hidden, block.hidden_dropout)
 
 

@@ -18,8 +18,9 @@ Megatron's GEMM modules are untouched. The kernels round to the activations' dty
 Megatron's modules round, so their outputs are the modules' outputs up to the order of the
 norms' sums (``dense_kernels.py``). With Transformer Engine's layers the norms are fused into
 the QKV and FC1 GEMMs already (the spec's norms are identities): only the activation is
-replaced there. A module this does not know (another norm class, TE's fused MLP) runs as
-Megatron's.
+replaced there, and with FP8 GEMMs under the ``tensorwise`` recipe each GEMM's input is
+quantized by the kernel that makes it, the norms run here again (``fp8_inputs.py``). A module
+this does not know (another norm class, TE's fused MLP) runs as Megatron's.
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ import torch.nn.functional as F
 from tknp_megatron.executor.rope import fusable_rope
 from tknp_megatron.models.norms import ZeroCenteredNorm
 
-__all__ = ["DenseFusion", "dense_fusion_for", "fused_activation", "fused_add_norm"]
+__all__ = ["DenseFusion", "activation_blocks", "dense_fusion_for", "fused_activation", "fused_add_norm",
+           "launch_add_norm"]
 
-_NORM_BLOCK = 2048  # columns per chunk of a norm's row (any width: rows are looped)
+_NORM_BLOCK = 8192  # columns per chunk of a norm's row (any width: rows are looped), 16 warps
 _ACT_BLOCK = 1024
 
 
@@ -53,12 +55,51 @@ class DenseFusion:
         rope: the owners' RoPE and K/V append run as one kernel per layer
             (:meth:`~tknp_megatron.executor.rope.Rope.rotate_and_append`; Megatron's unfused
             rotation is configured, :func:`~tknp_megatron.executor.rope.fusable_rope`).
+        fp8_rows: TE FP8 layers (``tensorwise``) whose GEMM inputs are quantized here
+            (:mod:`~tknp_megatron.executor.fp8_inputs`), for batches whose row count is a
+            multiple of this (TE's alignment; the step pads to it); 0: TE quantizes them.
     """
 
     norms: bool
     activation: Optional[str]
     gated: bool
     rope: bool = False
+    fp8_rows: int = 0
+
+    def fp8_for(self, rows: int) -> bool:
+        """Whether a batch of ``rows`` rows takes the FP8 inputs quantized here."""
+        return self.fp8_rows > 0 and rows % self.fp8_rows == 0
+
+    def qkv(self, block, hidden: torch.Tensor) -> torch.Tensor:
+        """The input norm and the QKV projection: ``[rows, 1, D]`` -> ``[rows, 1, N / T]``."""
+        if self.fp8_for(hidden.shape[0]):
+            from tknp_megatron.executor import fp8_inputs as f8
+
+            scaling = f8.Fp8Scaling.current()
+            linear = block.self_attention.linear_qkv
+            return f8.column_gemm(linear, f8.norm_quantized(linear, hidden, scaling)[0], scaling)
+        qkv, _ = block.self_attention.linear_qkv(self.input_norm(block, hidden))
+        return qkv
+
+    def finish(self, block, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The output projection, the residual add, the pre-MLP norm, the MLP and the second
+        residual add: attention output ``[rows, 1, heads * d / T]`` -> ``[rows, 1, D]``."""
+        cfg = block.config
+        if self.fp8_for(attn.shape[0]):
+            from tknp_megatron.executor import fp8_inputs as f8
+
+            scaling = f8.Fp8Scaling.current()
+            out = f8.row_linear(block.self_attention.linear_proj, f8.quantize(attn, scaling))
+            fc1 = block.mlp.linear_fc1
+            normed, hidden = f8.norm_quantized(fc1, out, scaling, residual)
+            inter = f8.column_gemm(fc1, normed, scaling)
+            mlp_out = (f8.row_linear(block.mlp.linear_fc2, f8.activation_quantized(inter, self.activation, self.gated,
+                                                                                 scaling)), None)
+        else:
+            out, bias = block.self_attention.linear_proj(attn)
+            hidden, normed = self.add_norm(block, out, bias, residual)
+            mlp_out = self.mlp(block, normed)
+        return block.mlp_bda(False, cfg.bias_dropout_fusion)(mlp_out, hidden, block.hidden_dropout)
 
     def input_norm(self, block, hidden: torch.Tensor) -> torch.Tensor:
         """``block.input_layernorm(hidden)``: ``[rows, 1, D]`` -> ``[rows, 1, D]``."""
@@ -109,9 +150,24 @@ def dense_fusion_for(model, device: torch.device, enabled: Optional[bool] = None
     if activation is not None and (cfg.bias_activation_fusion or cfg.use_te_activation_func):
         activation = None  # Megatron's own fused activation is configured: keep it
     rope = rope and fusable_rope(cfg)
+    fp8_rows = _fp8_rows(block) if activation is not None else 0
     if not norms and activation is None and not rope:
         return None
-    return DenseFusion(norms=norms, activation=activation, gated=bool(cfg.gated_linear_unit), rope=rope)
+    return DenseFusion(norms=norms, activation=activation, gated=bool(cfg.gated_linear_unit), rope=rope,
+                       fp8_rows=fp8_rows)
+
+
+def _fp8_rows(block) -> int:
+    """TE's row alignment where ``block``'s FP8 GEMM inputs can be quantized here, else 0."""
+    from tknp_megatron.models.precision import row_alignment
+
+    cfg = block.config
+    if not (getattr(cfg, "fp8", None) and getattr(cfg, "fp8_recipe", None) == "tensorwise"):
+        return 0
+    from tknp_megatron.executor.fp8_inputs import fp8_inputs_usable
+
+    align = row_alignment(cfg)
+    return align if align > 1 and fp8_inputs_usable(block) is None else 0
 
 
 def _fusable_norm(module) -> bool:
@@ -132,30 +188,40 @@ def fused_add_norm(norm, x: torch.Tensor, residual: Optional[torch.Tensor] = Non
 
     Shapes ``[..., D]``; without a residual ``h`` is ``x`` (not copied).
     """
+    rms = type(norm) is torch.nn.RMSNorm or getattr(norm, "rms", False)
+    eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
+    return launch_add_norm(x, residual, bias, norm.weight, None if rms else norm.bias, eps, rms=rms,
+                           zero_centred=isinstance(norm, ZeroCenteredNorm))
+
+
+def launch_add_norm(x: torch.Tensor, residual: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                    weight: torch.Tensor, norm_bias: Optional[torch.Tensor], eps: float, rms: bool,
+                    zero_centred: bool, amax: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fused_add_norm` on a norm's parameters; ``amax`` (one float per row): each row's
+    largest ``|norm(h)|`` is written to it (``dense_kernels.add_norm_kernel``)."""
     from tknp_megatron.executor.dense_kernels import add_norm_kernel
 
     cols = x.shape[-1]
     x2 = x.reshape(-1, cols)
-    rms = type(norm) is torch.nn.RMSNorm or getattr(norm, "rms", False)
-    eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
-    nb = None if rms else norm.bias
+    block = min(_NORM_BLOCK, triton_next_pow2(cols))
     out = torch.empty_like(x2)
     total = torch.empty_like(x2) if residual is not None else x2
     res = residual.reshape(-1, cols) if residual is not None else x2
     add_norm_kernel[(x2.shape[0],)](
-        x2, bias if bias is not None else x2, res, total, norm.weight, nb if nb is not None else norm.weight,
-        out, cols, float(eps),
+        x2, bias if bias is not None else x2, res, total, weight, norm_bias if norm_bias is not None else weight,
+        out, amax if amax is not None else x2, cols, float(eps),
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, RMS=rms,
-        ZERO_CENTRED=isinstance(norm, ZeroCenteredNorm), HAS_NB=nb is not None,
-        BLOCK=min(_NORM_BLOCK, triton_next_pow2(cols)),
+        ZERO_CENTRED=zero_centred, HAS_NB=norm_bias is not None, HAS_AMAX=amax is not None,
+        BLOCK=block, num_warps=max(4, min(16, block // 512)),
     )
     return out.view(x.shape), (total.view(x.shape) if residual is not None else x)
 
 
 def fused_activation(x: torch.Tensor, bias: Optional[torch.Tensor], activation: str,
-                     gated: bool) -> torch.Tensor:
+                     gated: bool, amax: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Megatron's MLP activation on FC1's output ``x`` ``[..., W]`` (+ its bias): ``[..., W / 2]``
-    gated (first half activated, times the second), else ``[..., W]``."""
+    gated (first half activated, times the second), else ``[..., W]``; ``amax``
+    (:func:`activation_blocks` floats): each program's largest ``|output|`` is written to it."""
     from tknp_megatron.executor.dense_kernels import ACTIVATIONS, activation_kernel
 
     width = x.shape[-1]
@@ -163,10 +229,18 @@ def fused_activation(x: torch.Tensor, bias: Optional[torch.Tensor], activation: 
     x2 = x.reshape(-1, width)
     out = x2.new_empty(x2.shape[0], n_out)
     grid = (x2.shape[0], -(-n_out // _ACT_BLOCK))
-    activation_kernel[grid](x2, bias if bias is not None else x2, out, n_out,
+    assert amax is None or amax.numel() == grid[0] * grid[1]
+    activation_kernel[grid](x2, bias if bias is not None else x2, out, amax if amax is not None else x2, n_out,
                             ACT=ACTIVATIONS[activation], GATED=gated, HAS_BIAS=bias is not None,
-                            BLOCK=_ACT_BLOCK)
+                            HAS_AMAX=amax is not None, BLOCK=_ACT_BLOCK)
     return out.view(*x.shape[:-1], n_out)
+
+
+def activation_blocks(x: torch.Tensor, gated: bool) -> int:
+    """Programs of :func:`fused_activation` on FC1's output ``x``: rows times column blocks."""
+    width = x.shape[-1]
+    n_out = width // 2 if gated else width
+    return (x.numel() // width) * -(-n_out // _ACT_BLOCK)
 
 
 def triton_next_pow2(n: int) -> int:

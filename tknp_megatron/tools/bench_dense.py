@@ -23,13 +23,16 @@ replays, it reports:
 ``layer_us - linears_us`` is what surrounds the GEMMs (norms where not fused, residual
 adds, activation, casts); ``linears_us / floor_us`` is how close the GEMMs themselves come
 to reading their weights at the read bandwidth. The model is ``--model``'s layer geometry with seeded
-weights, TP over the launched processes (one per GPU). ``--device cpu`` runs the local format
-eagerly with wall-clock times (a smoke test of the script).
+weights, TP over the launched processes (one per GPU); ``--rank-of-tp T`` times one rank's
+share of TP ``T`` in a single process (its heads, KV heads and MLP columns; no all-reduce),
+e.g. a rank of Llama-3.1-405B at the paper's TP 8 on one GPU. ``--device cpu`` runs the local
+format eagerly with wall-clock times (a smoke test of the script).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import warnings
@@ -61,8 +64,9 @@ class DenseRow:
     weight_bytes: int
     read_tb_s: float
     kernels: List[dict] = field(default_factory=list)  # name, us, calls (with --profile)
-    max_diff_vs_unfused: float = 0.0  # fused rows: largest |output - Megatron modules' output|
+    max_diff_vs_unfused: float = 0.0  # fused rows: largest |output - Megatron modules' output| (QKV and layer)
     output_max: float = 0.0  # largest |output| (the scale of that difference)
+    rank_of_tp: int = 1  # the layer is one rank's share of TP this (in one process)
     gemm_kernel_us: float = 0.0  # the profiled kernels that are GEMMs
     other_kernel_us: float = 0.0  # every other profiled kernel
 
@@ -81,6 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fusion", choices=("on", "off", "both"), default="both",
                    help="the element-wise steps between the GEMMs as fused kernels, Megatron's "
                         "modules, or each in turn (default)")
+    p.add_argument("--rank-of-tp", type=int, default=1, metavar="T",
+                   help="time one rank's share of TP T in one process (default 1: the whole layer, "
+                        "or TP over the launched processes)")
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--profile", action="store_true", help="list each layer's kernels (CUPTI)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
@@ -91,6 +98,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--batches {bad[0]}: must be at least 1")
     if args.reps < 1:
         p.error(f"--reps {args.reps}: must be at least 1")
+    if args.rank_of_tp < 1:
+        p.error(f"--rank-of-tp {args.rank_of_tp}: must be at least 1")
+    from tknp_megatron.analysis.bench_traces import model_problems
+    from tknp_megatron.config import get_preset
+
+    for problem in model_problems(args.model):
+        p.error(problem)
+    preset = get_preset(args.model)
+    if preset.num_attention_heads % args.rank_of_tp or preset.ffn_hidden_size % args.rank_of_tp:
+        p.error(f"--rank-of-tp {args.rank_of_tp}: must divide {args.model}'s {preset.num_attention_heads} "
+                f"query heads and {preset.ffn_hidden_size} MLP columns")
     if args.device == "cpu" and args.formats != ["local"]:
         p.error(f"--formats {' '.join(args.formats)}: --device cpu runs local only "
                 "(Transformer Engine needs a GPU)")
@@ -150,6 +168,7 @@ def dense_row(name: str, preset, block, config, tp_group, tp: int, batch: int, r
         qkv_projection(block, hidden, fusion)
         return finish_layer(block, attn, hidden, fusion)
 
+
     cuda = device.type == "cuda"
     kernels: List[dict] = []
     with torch.no_grad(), dense_autocast(config, tp_group):  # FP8 GEMMs are captured in FP8
@@ -164,24 +183,39 @@ def dense_row(name: str, preset, block, config, tp_group, tp: int, batch: int, r
         else:
             layer_s = time_steps(layer, reps)
             linears_s = time_steps(lambda: _linears(block, hidden, attn, fc2_in), reps)
-        out = layer()
+        out, qkv = layer(), qkv_projection(block, hidden, fusion)
         plain = finish_layer(block, attn, hidden) if fusion is not None else out
+        plain_qkv = qkv_projection(block, hidden) if fusion is not None else qkv
     weight_bytes = _gemm_weight_bytes(block)
     gemm_us = sum(k["us"] for k in kernels if _is_gemm(k["name"]))
     return DenseRow(
         format=name, fused=fusion is not None, model=preset.name, tp=tp, batch=batch, layer_us=layer_s * 1e6,
         linears_us=linears_s * 1e6, floor_us=weight_bytes / read_b_s * 1e6 if cuda else float("nan"),
         weight_bytes=weight_bytes, read_tb_s=read_b_s / 1e12, kernels=kernels,
-        max_diff_vs_unfused=(out.float() - plain.float()).abs().max().item(),
+        max_diff_vs_unfused=max((out.float() - plain.float()).abs().max().item(),
+                                (qkv.float() - plain_qkv.float()).abs().max().item()),
         output_max=plain.float().abs().max().item(), gemm_kernel_us=gemm_us, other_kernel_us=sum(k["us"] for k in kernels) - gemm_us,
     )
 
 
+def rank_share(preset, tp: int):
+    """``preset`` cut to one rank's share of TP ``tp``: its query heads, KV heads (at least
+    one, as TP replicates them beyond their count) and MLP columns; the head size and the
+    hidden size stay."""
+    if tp == 1:
+        return preset
+    return preset.replace(num_attention_heads=preset.num_attention_heads // tp,
+                          num_query_groups=max(1, preset.num_query_groups // tp),
+                          ffn_hidden_size=preset.ffn_hidden_size // tp)
+
+
 def format_rows(model_name: str, name: str, batches, reps: int, device: torch.device, dtype: torch.dtype,
-                read_b_s: float, fusion: str = "both", profile: bool = False, seed: int = 0) -> List[DenseRow]:
+                read_b_s: float, fusion: str = "both", profile: bool = False, seed: int = 0,
+                rank_of_tp: int = 1) -> List[DenseRow]:
     """Build one layer of preset ``model_name`` in format ``name`` (``check_fp8.FORMATS``), TP
-    over the default group, and time it at every batch: with Megatron's modules for the
-    element-wise steps, the fused kernels, or both (``fusion``: off, on, both)."""
+    over the default group (or one rank's share of TP ``rank_of_tp``, :func:`rank_share`), and
+    time it at every batch: with Megatron's modules for the element-wise steps, the fused
+    kernels, or both (``fusion``: off, on, both)."""
     import parallel_state as ps
     from tknp_megatron.config import get_preset
     from tknp_megatron.engine.factory import load_weights
@@ -191,7 +225,7 @@ def format_rows(model_name: str, name: str, batches, reps: int, device: torch.de
 
     fmt = FORMATS[name]
     tp = dist.get_world_size()
-    preset = get_preset(model_name).replace(num_layers=1)
+    preset = rank_share(get_preset(model_name).replace(num_layers=1), rank_of_tp)
     groups = ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     model = build_stage_model(preset, [0], pre_process=False, post_process=False, tp=tp,
                               params_dtype=dtype, device=device, dense=fmt)
@@ -205,8 +239,9 @@ def format_rows(model_name: str, name: str, batches, reps: int, device: torch.de
             print(f"{name}: no element-wise step of these layers is fused on {device}", flush=True)
         else:
             fusions.append(fused)
-    rows = [dense_row(name, preset, model.layer(0), model.config, groups.tp_group, tp, b, reps,
-                      read_b_s, profile, f) for f in fusions for b in batches]
+    rows = [dataclasses.replace(dense_row(name, preset, model.layer(0), model.config, groups.tp_group, tp, b, reps,
+                                          read_b_s, profile, f), rank_of_tp=rank_of_tp)
+            for f in fusions for b in batches]
     del model
     ps.destroy_model_parallel()
     return rows
@@ -238,7 +273,7 @@ def main(argv=None) -> int:
     rows: List[DenseRow] = []
     for name in args.formats:
         rows += format_rows(args.model, name, args.batches, args.reps, device, dtype, read_b_s,
-                            args.fusion, args.profile)
+                            args.fusion, args.profile, rank_of_tp=args.rank_of_tp)
         if args.out and dist.get_rank() == 0:  # after every format: a later failure keeps these
             with open(args.out, "w", encoding="utf-8") as f:
                 json.dump(dict(gpu=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
