@@ -156,27 +156,33 @@ def test_a_pool_with_fused_kernels_gives_the_same_tokens():
 
 def test_bench_dense_runs_on_cpu(tmp_path, capsys):
     """``tools/bench_dense.py``'s CPU smoke run: one row per batch, fused (interpreted
-    kernels) and not, the fused output within rounding of Megatron's modules; bad flags are
-    one line before anything starts."""
+    kernels) and not, the fused output within rounding of Megatron's modules, on one rank's
+    share of TP 2; bad flags are one line before anything starts."""
     import json
     import subprocess
     import sys
 
     out = tmp_path / "dense.json"
     cmd = [sys.executable, "-m", "tknp_megatron.tools.bench_dense", "--device", "cpu", "--model", "tiny",
-           "--batches", "3", "5", "--reps", "1", "--out", str(out)]
+           "--batches", "3", "5", "--reps", "1", "--rank-of-tp", "2", "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(r["fused"], r["batch"]) for r in rows] == [(False, 3), (False, 5), (True, 3), (True, 5)]
-    for r in rows:
-        assert r["layer_us"] > 0 and r["linears_us"] > 0 and r["weight_bytes"] > 0
-        assert r["max_diff_vs_unfused"] <= 1e-5 * max(1.0, r["output_max"])
-    from tknp_megatron.tools.bench_dense import main
+    from tknp_megatron.config import get_preset
+    from tknp_megatron.tools.bench_dense import main, rank_share
 
-    with pytest.raises(SystemExit) as bad:  # the tool's entry point, in this process
-        main(cmd[3:-2] + ["--batches", "0"])
-    assert bad.value.code == 2 and "--batches 0: must be at least 1" in capsys.readouterr().err.strip().splitlines()[-1]
+    tiny, share = get_preset("tiny"), rank_share(get_preset("tiny"), 2)
+    assert (share.num_attention_heads, share.ffn_hidden_size) == (tiny.num_attention_heads // 2, tiny.ffn_hidden_size // 2)
+    for r in rows:
+        assert r["layer_us"] > 0 and r["linears_us"] > 0 and r["weight_bytes"] > 0 and r["rank_of_tp"] == 2
+        assert r["max_diff_vs_unfused"] <= 1e-5 * max(1.0, r["output_max"])
+
+    for flags, line in ((["--batches", "0"], "--batches 0: must be at least 1"),
+                        (["--rank-of-tp", "3"], "--rank-of-tp 3: must divide tiny's")):
+        with pytest.raises(SystemExit) as bad:  # the tool's entry point, in this process
+            main(cmd[3:-4] + flags)
+        assert bad.value.code == 2 and line in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 ROPE_CASES = {

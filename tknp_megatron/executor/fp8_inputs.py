@@ -13,8 +13,8 @@ Here the kernel that makes a GEMM input writes the partial maxima of what it wri
 norm, with the residual add before it, one per row; the activation, one per block), and one
 cast kernel takes the amax from them, computes TE's scale and writes the E4M3 bits
 (``dense_kernels.quantize_kernel``); the attention's output takes an amax kernel and the
-cast. No atomics, nothing kept between calls. Eight launches a layer and the second residual add. The
-quantized input goes to TE as a ``Float8Tensor``: into the row-parallel module itself (TE
+cast. No atomics, nothing kept between calls. Eight launches a layer and the second residual
+add. The quantized input goes to TE as a ``Float8Tensor``: into the row-parallel module itself (TE
 takes an input that is quantized already as it is, and does its TP all-reduce), and for
 the norm-fused column-parallel modules, which would norm their input again, into TE's GEMM
 (``general_gemm``) on the module's FP8 weight, as the module calls it.
@@ -23,8 +23,9 @@ The scale and the cast are TE's (``scale = max / amax`` rounded to nearest, its 
 zero, infinite or NaN amax, round to nearest even, saturated), so the same amax gives the
 same bits; the amax itself differs from TE's where the norm's sum does (the order of its
 additions), by an ulp at most. Taken only where each batch's rows are aligned for FP8
-(``precision.row_alignment``: the step pads them once) and the linears have no biases;
-elsewhere TE's modules run as they are (``DenseFusion.fp8``).
+(``precision.row_alignment``: the step pads them once) and the linears are RMSNorm-fused,
+bias-free and FP8-stored (:func:`fp8_inputs_usable`); elsewhere TE's modules run as they are
+(``DenseFusion.fp8_rows``).
 """
 
 from __future__ import annotations
@@ -61,14 +62,19 @@ class Fp8Scaling:
     split_accumulator: bool
 
     @classmethod
+    def of(cls, recipe) -> "Fp8Scaling":
+        """The scaling of a TE ``Float8CurrentScaling`` recipe (AttributeError for a TE whose
+        recipe names them otherwise)."""
+        qp = recipe.fp8_quant_fwd_inp
+        return cls(float(recipe.fp8_format.value.max_fwd), float(qp.amax_epsilon), bool(qp.power_2_scale),
+                   bool(recipe.fp8_gemm_fprop.use_split_accumulator))
+
+    @classmethod
     def current(cls) -> "Fp8Scaling":
         """The scaling of the recipe of the TE autocast this is called in."""
         from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
-        recipe = FP8GlobalStateManager.get_fp8_recipe()
-        qp = recipe.fp8_quant_fwd_inp
-        return cls(float(recipe.fp8_format.value.max_fwd), float(qp.amax_epsilon), bool(qp.power_2_scale),
-                   bool(recipe.fp8_gemm_fprop.use_split_accumulator))
+        return cls.of(FP8GlobalStateManager.get_fp8_recipe())
 
 
 def fp8_inputs_usable(block) -> Optional[str]:
@@ -79,6 +85,12 @@ def fp8_inputs_usable(block) -> Optional[str]:
         from transformer_engine.pytorch.tensor.float8_tensor import Float8Tensor  # noqa: F401
     except ImportError as err:
         return f"this Transformer Engine has no {err.name}"
+    from megatron.core.fp8_utils import get_fp8_recipe
+
+    try:  # the recipe the step's autocast runs (models/precision.py: dense_autocast)
+        Fp8Scaling.of(get_fp8_recipe(block.config))
+    except AttributeError as err:
+        return f"this Transformer Engine's recipe lacks {err.name}"
     attn, mlp = block.self_attention, block.mlp
     column = (attn.linear_qkv, mlp.linear_fc1)
     for m in column:
