@@ -347,6 +347,13 @@ def test_producers_write_the_partial_maxima_of_what_they_write():
     by_block = torch.nn.functional.pad(out.float().abs().reshape(5, 1500), (0, 548)).reshape(5, 2, 1024).amax(-1)
     assert torch.equal(blocks, by_block.flatten())
 
+    many = torch.randn(600, 1, 2 * 8000, generator=g).to(torch.bfloat16)  # rows of a prompt: wider blocks
+    wide = torch.full((activation_blocks(many, True),), float("nan"))
+    assert wide.numel() == 600 * 2  # 8000 columns in blocks of 4096, not 8 of 1024
+    out = fused_activation(many, None, "silu", True, amax=wide)
+    by_block = torch.nn.functional.pad(out.float().abs().reshape(600, 8000), (0, 192)).reshape(600, 2, 4096).amax(-1)
+    assert torch.equal(wide, by_block.flatten())
+
     flat = (torch.randn(7000, generator=g) * 5).to(torch.bfloat16)
     partials = torch.full((7,), float("nan"))
     amax_kernel[(7,)](flat, partials, flat.numel(), BLOCK=1024)

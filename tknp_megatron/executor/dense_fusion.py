@@ -40,6 +40,7 @@ __all__ = ["DenseFusion", "activation_blocks", "dense_fusion_for", "fused_activa
 
 _NORM_BLOCK = 8192  # columns per chunk of a norm's row (any width: rows are looped), 16 warps
 _ACT_BLOCK = 1024
+_MAX_PARTIALS = 4096  # partial maxima an activation with an amax writes, about (wider blocks past it)
 
 
 @dataclass(frozen=True)
@@ -228,11 +229,12 @@ def fused_activation(x: torch.Tensor, bias: Optional[torch.Tensor], activation: 
     n_out = width // 2 if gated else width
     x2 = x.reshape(-1, width)
     out = x2.new_empty(x2.shape[0], n_out)
-    grid = (x2.shape[0], -(-n_out // _ACT_BLOCK))
+    block = _act_block(x2.shape[0], n_out, amax is not None)
+    grid = (x2.shape[0], -(-n_out // block))
     assert amax is None or amax.numel() == grid[0] * grid[1]
     activation_kernel[grid](x2, bias if bias is not None else x2, out, amax if amax is not None else x2, n_out,
                             ACT=ACTIVATIONS[activation], GATED=gated, HAS_BIAS=bias is not None,
-                            HAS_AMAX=amax is not None, BLOCK=_ACT_BLOCK)
+                            HAS_AMAX=amax is not None, BLOCK=block, num_warps=4 if block == _ACT_BLOCK else 8)
     return out.view(*x.shape[:-1], n_out)
 
 
@@ -240,7 +242,16 @@ def activation_blocks(x: torch.Tensor, gated: bool) -> int:
     """Programs of :func:`fused_activation` on FC1's output ``x``: rows times column blocks."""
     width = x.shape[-1]
     n_out = width // 2 if gated else width
-    return (x.numel() // width) * -(-n_out // _ACT_BLOCK)
+    rows = x.numel() // width
+    return rows * -(-n_out // _act_block(rows, n_out, True))
+
+
+def _act_block(rows: int, n_out: int, amax: bool) -> int:
+    """Columns per program of the activation: 1024, or with an amax 4096 where 1024 would
+    write more than :data:`_MAX_PARTIALS` partial maxima (prompts of many rows), since every
+    program of the cast that follows reads them all."""
+    wide = amax and rows * -(-n_out // _ACT_BLOCK) > _MAX_PARTIALS
+    return 4 * _ACT_BLOCK if wide else _ACT_BLOCK
 
 
 def triton_next_pow2(n: int) -> int:

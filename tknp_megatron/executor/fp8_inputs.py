@@ -127,11 +127,11 @@ def _cast(x: torch.Tensor, partials: torch.Tensor, scaling: Fp8Scaling) -> torch
 
 
 def _programs(device: torch.device) -> int:
-    """Programs of a cast launch: four per SM, each looping over its blocks (each reads the
+    """Programs of a cast launch: two per SM, each looping over its blocks (each reads the
     producer's partial maxima once)."""
     if device not in _SMS:
         _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return 4 * _SMS[device]
+    return 2 * _SMS[device]
 
 
 def quantize(x: torch.Tensor, scaling: Fp8Scaling) -> torch.Tensor:
