@@ -1,8 +1,10 @@
 """FP8 GEMM inputs quantized by the kernels that make them (``executor/fp8_inputs.py``), on a
-GPU with Transformer Engine: the cast gives TE's quantizer's bits and scale, and a Llama layer
-with FP8-stored weights (Megatron's ``tensorwise`` recipe) gives what TE's own modules give,
-with fewer kernels. The kernels' arithmetic is tested on CPU under Triton's interpreter
-(``tests/test_dense_fusion.py``); TE and its FP8 GEMMs need a GPU.
+GPU with Transformer Engine: the cast gives TE's quantizer's bits and scale (and its
+conversion on the bits, the CPU interpreter's, the GPU's own); the output projection on an
+input quantized here gives TE's module's output bit for bit; the QKV projection and the rest
+of a Llama layer with FP8-stored weights (Megatron's ``tensorwise`` recipe) are as close to
+the same layer in BF16 as TE's own FP8 modules are. The kernels' arithmetic is tested on CPU
+under Triton's interpreter (``tests/test_dense_fusion.py``); TE and its FP8 GEMMs need a GPU.
 """
 
 from __future__ import annotations
@@ -11,12 +13,11 @@ import importlib.util
 
 import pytest
 import torch
-
 import torch.distributed as dist
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and importlib.util.find_spec("transformer_engine")),
-    reason="FP8 GEMMs need a GPU and Transformer Engine")  # (CUDA itself is started in the worker)
+    reason="FP8 GEMMs need a GPU and Transformer Engine")
 
 
 def _layers(rows_list):
