@@ -8,7 +8,6 @@ another test imported it first without the interpreter, it is reloaded here.
 import importlib
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -411,31 +410,28 @@ def test_no_requests():
     assert out.shape == (0, 4, 16)
 
 
-def test_bench_dry_run(tmp_path):
+def test_bench_dry_run(tmp_path, capsys):
+    """The tool's entry point in this process (already under the interpreter)."""
+    from tknp_megatron.tools.bench_attention import main
+
     out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "tknp_megatron.tools.bench_attention", "--dry-run", "--out", str(out)],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert main(["--dry-run", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]
     assert rows and all(r["rel_err"] < 1e-2 for r in rows if r.get("status") == "ok")
-    assert "triton_us" in proc.stdout
+    assert "triton_us" in capsys.readouterr().out
 
 
 def test_bench_per_model_shapes_and_launch_choice(tmp_path):
     """--models expands presets into per-rank shapes at each --tp; "auto" is the backend's
     own per-shape launch, recorded with its tile and splits; a 4-field config sets waves;
     --spread gives the requests mixed lengths (checked against the reference, no SDPA)."""
+    from tknp_megatron.tools.bench_attention import main
+
     out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "tknp_megatron.tools.bench_attention", "--dry-run", "--models", "nemotron4-340b",
-         "--tp", "8", "--configs", "auto", "16:4:2:2", "16:4:2@4", "--spread", "0.5", "--min-split-tokens", "16",
-         "--num-splits", "0", "--balance-min-work", "0",  # tiny shapes: balanced as a big one would be
-         "--prepared", "--separate-merge", "--out", str(out)],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert main(["--dry-run", "--models", "nemotron4-340b",
+                 "--tp", "8", "--configs", "auto", "16:4:2:2", "16:4:2@4", "--spread", "0.5", "--min-split-tokens", "16",
+                 "--num-splits", "0", "--balance-min-work", "0",  # tiny shapes: balanced as a big one would be
+                 "--prepared", "--separate-merge", "--out", str(out)]) == 0
     rows = [r for r in json.loads(out.read_text())["results"] if r.get("status") == "ok"]
     assert rows and {(r["hq"], r["hkv"], r["head_dim"]) for r in rows} == {(12, 1, 192)}
     for r in rows:
