@@ -113,13 +113,15 @@ def _cast(x: torch.Tensor, partials: torch.Tensor, scaling: Fp8Scaling) -> torch
     from transformer_engine.pytorch.tensor.float8_tensor import Float8Tensor
     import transformer_engine_torch as tex
 
+    import triton
+
     from tknp_megatron.executor.dense_kernels import quantize_kernel
 
     shape = (x.numel() // x.shape[-1], x.shape[-1])
     data = torch.empty(shape, dtype=torch.uint8, device=x.device)
     scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
     n = x.numel()
-    programs = min(triton_cdiv(n, _BLOCK), _programs(x.device))
+    programs = min(triton.cdiv(n, _BLOCK), _programs(x.device))
     quantize_kernel[(programs,)](x, partials, partials.numel(), data, scale_inv, n, scaling.max_fp8,
                                  scaling.epsilon, POW2=scaling.pow2, BITS=_INTERPRETED, BLOCK=_BLOCK,
                                  PBLOCK=1024)
@@ -138,11 +140,13 @@ def _programs(device: torch.device) -> int:
 def quantize(x: torch.Tensor, scaling: Fp8Scaling) -> torch.Tensor:
     """``x`` ``[..., K]`` (the attention's output) with TE's current scaling, ``[rows, K]``:
     an amax kernel and the cast."""
+    import triton
+
     from tknp_megatron.executor.dense_kernels import amax_kernel
 
     x = x.contiguous()
     n = x.numel()
-    partials = torch.empty(triton_cdiv(n, _AMAX_BLOCK), dtype=torch.float32, device=x.device)
+    partials = torch.empty(triton.cdiv(n, _AMAX_BLOCK), dtype=torch.float32, device=x.device)
     amax_kernel[(partials.numel(),)](x, partials, n, BLOCK=_AMAX_BLOCK)
     return _cast(x, partials, scaling)
 
@@ -186,7 +190,3 @@ def row_linear(linear, x8: torch.Tensor) -> torch.Tensor:
     forward = getattr(linear.forward, "__wrapped__", linear.forward)
     out, _ = forward(x8)
     return out.view(x8.shape[0], 1, -1)
-
-
-def triton_cdiv(n: int, d: int) -> int:
-    return -(-n // d)
