@@ -10,6 +10,7 @@ under Triton's interpreter (``tests/test_dense_fusion.py``); TE and its FP8 GEMM
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 import pytest
 import torch
@@ -48,7 +49,7 @@ def _layers(rows_list):
     load_weights(reference, preset, 0)  # the same weights in BF16: what FP8 approximates
     fusion = dense_fusion_for(model, device, enabled=True)
     block, ref = model.layer(0), reference.layer(0)
-    out = dict(fusion=repr(fusion), usable=f8.fp8_inputs_usable(block), layers={})
+    out = dict(fusion=repr(fusion), usable=f8.fp8_inputs_usable(block), interpreted=f8._INTERPRETED, layers={})
     g = torch.Generator(device=device).manual_seed(1)
     inputs = {rows: (torch.randn(rows, 1, preset.hidden_size, device=device, generator=g).to(torch.bfloat16),
                      torch.randn(rows, 1, preset.num_attention_heads * preset.kv_channels, device=device,
@@ -102,7 +103,21 @@ def _conversions_agree(device) -> bool:
     return torch.equal(outs[0], outs[1])
 
 
-def test_fp8_layer_with_inputs_quantized_here_gives_te_modules_output():
+@pytest.fixture
+def compiled_kernels(monkeypatch):
+    """The kernels compiled for the GPU, not run by Triton's interpreter: the suite's CPU test
+    files set TRITON_INTERPRET=1 as pytest collects them, and the kernels' modules read it
+    when they are imported, so this test imports them afresh without it (and puts the
+    modules it found back after)."""
+    import tknp_megatron.executor as executor
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for name in ("fp8_inputs", "dense_kernels"):
+        monkeypatch.delitem(sys.modules, f"tknp_megatron.executor.{name}", raising=False)
+        monkeypatch.delattr(executor, name, raising=False)
+
+
+def test_fp8_layer_with_inputs_quantized_here_gives_te_modules_output(compiled_kernels):
     # in this process: a pool's processes start from a forkserver, which with TE installed has
     # CUDA started by importing it, and a forked child cannot start CUDA again
     assert not dist.is_initialized()
@@ -113,7 +128,7 @@ def test_fp8_layer_with_inputs_quantized_here_gives_te_modules_output():
         dist.destroy_process_group()
     if out is None:
         pytest.skip("FP8 GEMMs need compute capability 8.9 or more")
-    assert out["usable"] is None and "fp8_rows=16" in out["fusion"]
+    assert out["usable"] is None and "fp8_rows=16" in out["fusion"] and not out["interpreted"]
     same_bits, ours_inv, te_inv = out["cast"]
     assert same_bits and ours_inv == te_inv  # an amax both take exactly: TE's bits
     assert out["bits"]

@@ -6,8 +6,8 @@
 # (2) dense: tools/bench_dense --formats local fp8 (fp8 fused: the inputs quantized here;
 #     unfused: TE's modules, Megatron's activation; local: BF16, Megatron's local layers), one Llama-3.1-70B layer at TP 1, and one rank's share of
 #     Llama-3.1-405B at the paper's TP 8 (--rank-of-tp 8), with the kernels of each graphed layer;
-# (3) tokens: check_fp8 --parts tokens --formats fp8, fused and --no-fused-elementwise, first
-#     tokens against Megatron's GPTModel;
+# (3) tokens: check_fp8 --parts tokens --formats local fp8, fused and --no-fused-elementwise,
+#     first tokens against Megatron's GPTModel and against the same model in BF16 (local);
 # (4) step: the graphed step of LAYERS (default 80 on an H200, 40 on an H100: the 80 FP8 layers
 #     leave an H100 no room for the cache) FP8 Llama-3.1-70B layers
 #     (bench_step --profile), with the library of BASE (an absolute path to a tree from before,
@@ -35,7 +35,7 @@ for part in ${PARTS:-test dense tokens step}; do
     tokens)
       for f in "" "--no-fused-elementwise"; do
         name=tokens${f:+_unfused}
-        timeout -k 5 200 $T -m tknp_megatron.tools.check_fp8 --parts tokens --formats fp8 $f \
+        timeout -k 5 200 $T -m tknp_megatron.tools.check_fp8 --parts tokens --formats local fp8 $f \
           --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
         echo "$name: exit $?"; sed -n '/^== tokens/,$p' "$OUT/$name.log" | grep -v -i warn | head -n 20
       done ;;
