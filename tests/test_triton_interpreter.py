@@ -1,6 +1,6 @@
 """Triton's CPU interpreter runs the kernels' loops, whose bounds are computed from program
-ids (``tknp_megatron/triton_interpreter.py``): under Triton 3.6 with NumPy 2 only with the
-fix that module gives it (3.7 and later have it themselves). The kernels themselves run
+ids (``tknp_megatron/triton_interpreter.py``): under Triton 3.6 with a recent NumPy only with
+the fix that module gives it (3.7 and later have it themselves). The kernels themselves run
 under the interpreter in ``tests/test_attention.py``, ``tests/test_dcp.py`` and
 ``tests/test_dense_fusion.py``.
 

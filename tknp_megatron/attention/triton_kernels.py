@@ -43,7 +43,7 @@ from tknp_megatron import triton_interpreter
 
 __all__ = ["head_dim_tiles", "launch_paged_attention", "launch_combine_splits", "launch_split_plan"]
 
-triton_interpreter.install()  # Triton 3.6's CPU interpreter under NumPy 2 (see triton_interpreter)
+triton_interpreter.install()  # Triton 3.6's CPU interpreter with a recent NumPy (see triton_interpreter)
 
 
 def head_dim_tiles(head_dim: int):

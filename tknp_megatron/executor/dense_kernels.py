@@ -25,7 +25,7 @@ from tknp_megatron import triton_interpreter
 
 __all__ = ["add_norm_kernel", "activation_kernel", "amax_kernel", "quantize_kernel", "ACTIVATIONS"]
 
-triton_interpreter.install()  # Triton 3.6's CPU interpreter under NumPy 2 (see triton_interpreter)
+triton_interpreter.install()  # Triton 3.6's CPU interpreter with a recent NumPy (see triton_interpreter)
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "squared_relu": 2}
 
