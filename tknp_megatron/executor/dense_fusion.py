@@ -229,8 +229,8 @@ def fused_activation(x: torch.Tensor, bias: Optional[torch.Tensor], activation: 
     n_out = width // 2 if gated else width
     x2 = x.reshape(-1, width)
     out = x2.new_empty(x2.shape[0], n_out)
-    block = _act_block(x2.shape[0], n_out, amax is not None)
-    grid = (x2.shape[0], -(-n_out // block))
+    block, col_blocks = _act_grid(x2.shape[0], n_out, amax is not None)
+    grid = (x2.shape[0], col_blocks)
     assert amax is None or amax.numel() == grid[0] * grid[1]
     activation_kernel[grid](x2, bias if bias is not None else x2, out, amax if amax is not None else x2, n_out,
                             ACT=ACTIVATIONS[activation], GATED=gated, HAS_BIAS=bias is not None,
@@ -241,17 +241,17 @@ def fused_activation(x: torch.Tensor, bias: Optional[torch.Tensor], activation: 
 def activation_blocks(x: torch.Tensor, gated: bool) -> int:
     """Programs of :func:`fused_activation` on FC1's output ``x``: rows times column blocks."""
     width = x.shape[-1]
-    n_out = width // 2 if gated else width
     rows = x.numel() // width
-    return rows * -(-n_out // _act_block(rows, n_out, True))
+    return rows * _act_grid(rows, width // 2 if gated else width, True)[1]
 
 
-def _act_block(rows: int, n_out: int, amax: bool) -> int:
-    """Columns per program of the activation: 1024, or with an amax 4096 where 1024 would
-    write more than :data:`_MAX_PARTIALS` partial maxima (prompts of many rows), since every
-    program of the cast that follows reads them all."""
+def _act_grid(rows: int, n_out: int, amax: bool) -> Tuple[int, int]:
+    """``(columns per program, column blocks)`` of the activation: 1024 columns, or with an
+    amax 4096 where 1024 would write more than :data:`_MAX_PARTIALS` partial maxima (prompts
+    of many rows), since every program of the cast that follows reads them all."""
     wide = amax and rows * -(-n_out // _ACT_BLOCK) > _MAX_PARTIALS
-    return 4 * _ACT_BLOCK if wide else _ACT_BLOCK
+    block = 4 * _ACT_BLOCK if wide else _ACT_BLOCK
+    return block, -(-n_out // block)
 
 
 def triton_next_pow2(n: int) -> int:
