@@ -34,7 +34,7 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -115,11 +115,13 @@ class Job:
     prompts: List[List[int]]
     kv_tokens: Optional[int]
     eos_id: Optional[int] = None
+    stop_ids: Tuple[int, ...] = ()  # the tokenizer's other end-of-sequence ids
 
     def sampling(self):
         from tknp_megatron.sampling import SamplingParams
 
-        return SamplingParams(max_new_tokens=self.args.output_len, eos_id=self.eos_id)
+        return SamplingParams(max_new_tokens=self.args.output_len, eos_id=self.eos_id,
+                              stop_sequences=tuple((i,) for i in self.stop_ids))
 
     @property
     def progress(self) -> bool:
@@ -137,7 +139,8 @@ def prepare_job(args) -> Job:
     kv = args.kv_tokens_per_node
     if kv is None and args.device == "cpu":
         kv = default_kv_budget(args, prompts)
-    return Job(args, source, prompts, kv, tokenizer.eos_id if tokenizer else None)
+    return Job(args, source, prompts, kv, tokenizer.eos_id if tokenizer else None,
+               tokenizer.stop_ids if tokenizer else ())
 
 
 def _weights(source: ModelSource, seed: int):
@@ -248,7 +251,7 @@ def run_torchrun(job: Job):
     rank_device(args, rank)  # bind the GPU before NCCL starts
     init_distributed("nccl" if args.device == "cuda" else "gloo", rank, world, args.timeout)
     with converted_on_each_host(job.model, args.dtype, args.timeout) as source:
-        report = worker(rank, world, Job(args, source, job.prompts, job.kv_tokens, job.eos_id))
+        report = worker(rank, world, Job(args, source, job.prompts, job.kv_tokens, job.eos_id, job.stop_ids))
     dist.destroy_process_group()
     return report
 
@@ -257,7 +260,7 @@ def run_local(job: Job):
     """Spawn an N x T gloo pool here; the report."""
     args = job.args
     with converted_checkpoint(job.model, args.dtype, args.timeout) as source:
-        job = Job(args, source, job.prompts, job.kv_tokens, job.eos_id)
+        job = Job(args, source, job.prompts, job.kv_tokens, job.eos_id, job.stop_ids)
         return spawn(worker, args.nodes * args.tp, (job,), timeout_s=args.timeout)[0]
 
 

@@ -105,7 +105,15 @@ _LLAMA = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num
     ({"intermediate_size": None}, "config.json intermediate_size None: must be a positive integer"),
     ({"num_attention_heads": "4"}, "config.json num_attention_heads '4': must be a positive integer"),
     ({"head_dim": 15}, "RoPE rotates 15 of the 15 channels of a head"),
-], ids=["tanh_gelu", "fractional_theta", "null_key", "string_heads", "odd_head_dim"])
+    ({"rms_norm_eps": "1e-5"}, "config.json rms_norm_eps '1e-5': must be a number > 0"),
+    ({"rms_norm_eps": 0}, "config.json rms_norm_eps 0: must be a number > 0"),
+    ({"rope_scaling": "none"}, "config.json rope_scaling 'none': must be an object (or null)"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 0}}, "config.json rope_scaling factor 0: must be a number >= 1"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": "eight"}}, "rope_scaling factor 'eight': must be a number >= 1"),
+    ({"attention_bias": True}, "llama attention_bias True unsupported (Llama's layers have no such biases; Qwen2"),
+    ({"model_type": "mistral", "mlp_bias": 1}, "mistral mlp_bias 1 unsupported"),
+], ids=["tanh_gelu", "fractional_theta", "null_key", "string_heads", "odd_head_dim", "string_eps", "zero_eps",
+        "string_rope_scaling", "llama3_factor_0", "llama3_factor_text", "attention_bias", "mlp_bias"])
 def test_hf_llama_config_refused_by_name(change, message):
     from tknp_megatron.models.hf_convert import preset_from_hf_config
 
@@ -113,6 +121,19 @@ def test_hf_llama_config_refused_by_name(change, message):
     assert preset_from_hf_config({**_LLAMA, "hidden_act": "gelu"}).activation.value == "gelu"
     with pytest.raises(ValueError, match=re.escape(message)):
         preset_from_hf_config({**_LLAMA, **change})
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"norm_eps": "x"}, "config.json norm_eps 'x': must be a number > 0"),
+    ({"partial_rotary_factor": "half"}, "config.json partial_rotary_factor 'half': must be a number > 0"),
+    ({"rope_scaling": [1]}, "config.json rope_scaling [1]: must be an object (or null)"),
+])
+def test_hf_nemotron_config_refused_by_name(change, message):
+    from tknp_megatron.models.hf_convert import preset_from_hf_config
+
+    assert preset_from_hf_config({**_NEMOTRON, "norm_eps": None}).layernorm_epsilon == 1e-5
+    with pytest.raises(ValueError, match=re.escape(message)):
+        preset_from_hf_config({**_NEMOTRON, **change})
 
 
 def test_hf_config_lacking_a_key_says_so():

@@ -134,6 +134,22 @@ def test_mistral_consolidated_weights_are_not_read_twice(llama, tmp_path):
     assert [p.name for p in weight_files(folder)] == ["model.safetensors"]
 
 
+def test_only_the_files_transformers_loads_are_read(llama, tmp_path):
+    """Another ``*.safetensors`` beside ``model.safetensors`` (an EMA copy with the same
+    tensor names, read after it) would replace the model's weights: it is not read; a folder
+    with neither ``model.safetensors`` nor an index is refused naming what it holds."""
+    from safetensors.torch import save_file
+
+    from tknp_megatron.models.hf_files import weight_files
+
+    folder = _variant(llama, tmp_path)
+    save_file({k: torch.zeros_like(v) for k, v in _tensors(llama).items()}, str(folder / "model_ema.safetensors"))
+    assert [p.name for p in weight_files(folder)] == ["model.safetensors"]
+    (folder / "model.safetensors").rename(folder / "weights.safetensors")
+    _refused(folder, re.escape("no model.safetensors and no model.safetensors.index.json (model_ema.safetensors, "
+                               "weights.safetensors found: transformers loads neither"))
+
+
 def test_the_stored_dtype_where_config_names_none(llama, tmp_path):
     from tknp_megatron.models.hf_convert import hf_checkpoint_dtype
 

@@ -90,7 +90,23 @@ def test_num_tokens_total_sets_the_output_length_as_megatrons_engine_does():
 
 @pytest.mark.parametrize("body, message", [
     ({"prompt": 5}, "'prompt' 5: expected text or a list, got int"),
-    ({"messages": 5}, "'messages' 5: expected text or a list, got int"),
+    ({"messages": 5}, "'messages' 5: expected a list of messages, got int"),
+    ({"messages": "hi"}, "'messages' 'hi': expected a list of messages, got str"),
+    ({"messages": ["hi"]}, "'messages'[0] 'hi': expected an object with 'role' and 'content'"),
+    ({"messages": [{"content": "hi"}]}, "'messages'[0].role None: must be one of system, developer, user"),
+    ({"messages": [{"role": "user"}]}, "'messages'[0].content: expected text, got NoneType"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
+     "'messages'[0].content: expected text, got a list of content parts"),
+    ({"messages": [{"role": "user", "content": "a\ud800"}]}, "'messages': not valid Unicode (surrogates not allowed at character 1)"),
+    ({"prompt": "\ud800"}, "'prompt': not valid Unicode (surrogates not allowed at character 0)"),
+    ({"prompt": ["1 2", "x\udfff"]}, "'prompt': not valid Unicode"),
+    ({"prompt": "1", "max_tokens": 10**400}, "'max_tokens' 100000000000... (401 digits): outside the 64-bit integer range"),
+    ({"prompt": "1", "temperature": 10**400}, "'temperature' 100000000000... (401 digits): must be finite and >= 0"),
+    ({"prompt": "1", "top_p": -10**400}, "'top_p' -10000000000... (402 digits): must be in [0, 1]"),
+    ({"prompt": "1", "stop": 5}, "'stop' 5: expected text or a list of texts"),
+    ({"prompt": "1", "stop": ["a", None]}, "'stop' ['a', None]: expected text or a list of texts"),
+    ({"prompt": "1", "n": 2}, "'n' 2: Megatron's completions endpoint gives one choice per prompt"),
+    ({"prompt": "1", "stream": True}, "'stream' true: this megatron-core's endpoints answer in one response"),
     ({"prompt": []}, "'prompt' is empty"),
     ({"prompt": [1, 2**64]}, "'prompt': token id 18446744073709551616 outside the vocabulary [0, 512)"),
     ({"prompt": [[1, 2], [3, 2**63]]}, "token id 9223372036854775808 outside the vocabulary [0, 512)"),
@@ -113,21 +129,52 @@ def test_num_tokens_total_sets_the_output_length_as_megatrons_engine_does():
     ({"prompt": "1 2", "logprobs": 513}, "'logprobs' 513: must be in [0, the vocabulary 512]"),
 ])
 def test_http_bodies_megatrons_endpoints_would_answer_500_get_400(body, message):
-    from tknp_megatron.serving.frontend import _body_problem
+    from tknp_megatron.serving.frontend import BodyRules, _body_problem
 
-    problem = _body_problem("POST", body, 512)
+    rules, path = BodyRules(512), "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    problem = _body_problem("POST", body, rules, path)
     assert problem is not None and problem[1] == 400 and message in problem[0], problem
-    assert _body_problem("GET", body, 512) is None
-    assert _body_problem("POST", body, 512, "/health") is None  # another route: the app answers it
+    assert "\n" not in problem[0] and len(problem[0]) < 300
+    assert _body_problem("GET", body, rules, path) is None
+    assert _body_problem("POST", body, rules, "/health") is None  # another route: the app answers it
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ("1 2 3 ", "'prompt' '1 2 3 ': '' is not a token id; Megatron's null tokenizer takes ids in [0, 512) "
+               "separated by single spaces"),
+    ("1  2", "'' is not a token id"), ("1\t2", "'1\\t2' is not a token id"), ("hello", "'hello' is not a token id"),
+    ("1 2 512", "'prompt': token id 512 outside the vocabulary [0, 512)"), ("1 -2", "'-2' is not a token id"), ("1 1_000", "'1_000' is not"),
+    ("1 18446744073709551616", "token id 18446744073709551616 outside the vocabulary [0, 512)"), (["1 2", "3,4"], "'3,4' is not"),
+    ("\u0661\u0662", "is not a token id"),  # Arabic-Indic digits: int() takes them, ids they are not
+    ("1 " + "9" * 5000, "token id 999999999999... (5000 digits) outside the vocabulary [0, 512)"),
+    ("x" * 5000, "'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx... (5002 characters): 'xxxx"),
+])
+def test_text_prompts_for_the_null_tokenizer_are_ids_or_get_400(prompt, message):
+    """With Megatron's null tokenizer a text prompt is ids separated by single spaces (it
+    runs ``int()`` on each piece of ``split(' ')``): anything else is answered 400 naming the
+    piece, not 500 from the tokenizer, and an id beyond 64 bits never reaches the wire."""
+    from tknp_megatron.serving.frontend import BodyRules, _body_problem
+
+    problem = _body_problem("POST", {"prompt": prompt}, BodyRules(512, text_is_ids=True))
+    assert problem is not None and problem[1] == 400 and message in problem[0], problem
+    assert _body_problem("POST", {"prompt": prompt}, BodyRules(512)) is None  # a real tokenizer takes any text
 
 
 def test_http_bodies_that_megatron_takes_pass():
-    from tknp_megatron.serving.frontend import _body_problem
+    from tknp_megatron.serving.frontend import BodyRules, _body_problem
 
+    ids = BodyRules(512, text_is_ids=True)
     for body in ({"prompt": "1 2 3", "max_tokens": 4, "temperature": 1e300, "logprobs": True},
-                 {"prompt": [0, 2, 511], "top_k": 2**63 - 1}, {"messages": [{"role": "user", "content": "hi"}]},
-                 {"prompt": "1", "max_tokens": 4.0, "top_p": 0, "top_k": 0, "n": 2, "seed": -1, "logprobs": 512}):
-        assert _body_problem("POST", body, 512) is None
+                 {"prompt": [0, 2, 511], "top_k": 2**63 - 1}, {"prompt": ["0 511", "7"], "stop": ["3", "4 5"]},
+                 {"prompt": "1", "max_tokens": 4.0, "top_p": 0, "top_k": 0, "n": 1, "seed": -1, "logprobs": 512,
+                  "stop": "2", "stream": False}):
+        assert _body_problem("POST", body, ids) is None, body
+    for body in ({"messages": [{"role": "user", "content": "hi"}], "n": 2},
+                 {"messages": [{"role": "system", "content": ""}, {"role": "user", "content": "h\u00e9 \U0001f600"},
+                               {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]},
+                               {"role": "tool", "content": "42"}]}):
+        assert _body_problem("POST", body, BodyRules(512), "/v1/chat/completions") is None, body
+    assert _body_problem("POST", {"prompt": "1", "stream": True}, BodyRules(512, streams=True)) is None
 
 
 def test_the_coordinators_sockets_drop_nothing_at_zmqs_high_water_mark():

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tknp_megatron.sampling import (
+    GREEDY_BELOW,
     SamplingParams,
     greedy,
     hash_uniform,
@@ -56,6 +57,20 @@ def test_sampling_tensors_shapes_and_dtypes():
     assert t.seeds.tolist() == [11, 0] and t.steps.tolist() == [0, 2]
     with pytest.raises(ValueError, match="lengths differ"):
         sampling_tensors(params, [4], [0, 2])
+
+
+def test_temperatures_below_greedy_below_are_greedy():
+    """Logits divided by a temperature near float32's smallest normal overflow to infinity,
+    and an argmax over them takes the first infinite one: such temperatures are greedy."""
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(1)) * 5
+    for t in (1e-45, 1e-40, 1e-30, 0.5 * GREEDY_BELOW):
+        p = SamplingParams(temperature=t, seed=3)
+        assert p.temperature == 0.0 and p.is_greedy
+        assert torch.equal(_draw(logits, [p] * 4, range(4), [0] * 4), logits.argmax(-1))
+        hot = sampling_tensors([SamplingParams(temperature=1.0)] * 4, range(4), [0] * 4)
+        raw = sample(logits, hot.temperature * t, *hot[1:])  # the draw itself, given such a temperature
+        assert torch.equal(raw, logits.argmax(-1)), t
+    assert not SamplingParams(temperature=GREEDY_BELOW).is_greedy
 
 
 # --- greedy and hashing ---------------------------------------------------------------

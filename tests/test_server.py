@@ -273,6 +273,60 @@ def test_stop_words_end_a_request_where_megatrons_engine_would(server, served):
     assert len(record["generated_log_probs"] or []) == len(cut)
 
 
+def test_a_bodys_stop_ends_a_completion_as_megatrons_later_endpoints_pass_it_on(server, served):
+    """``stop`` in a ``/v1/completions`` body: megatron-core 0.17 and later pass it to their
+    engine as ``stop_words``; on 0.16, whose endpoint drops it, the front end does."""
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    full = list(served["offline"][6])
+    word = full[2]
+    kept = "detokenize_stop_sequence" not in SamplingParams.__dataclass_fields__  # 0.16 keeps it
+    for stop in (str(word), [str(EOD), str(word)]):
+        r = requests.post(server.url + "/v1/completions", timeout=120, json=dict(
+            prompt=served["prompts"][6], max_tokens=MAX_TOKENS, temperature=0, stop=stop))
+        assert r.status_code == 200, r.text
+        assert _tokens(r.json()["choices"][0]) == full[: full.index(word) + kept]
+
+
+def test_a_temperature_below_greedy_below_draws_the_greedy_tokens(server, served):
+    """A temperature near float32's smallest normal would scale the logits to infinity, where
+    the draw's argmax takes the first infinite logit; below ``GREEDY_BELOW`` it is greedy."""
+    for temperature in (1e-40, 1e-30, 5e-6):
+        r = requests.post(server.url + "/v1/completions", timeout=120, json=dict(
+            prompt=served["prompts"][4], max_tokens=MAX_TOKENS, temperature=temperature))
+        assert r.status_code == 200 and _tokens(r.json()["choices"][0]) == list(served["offline"][4]), (
+            temperature, r.text)
+
+
+def test_health_answers_at_once_while_many_requests_are_held_open(server, served):
+    """With the pools paused, 48 HTTP requests stay open; ``/health`` still answers at once,
+    and after UNPAUSE every request gets its offline tokens. Each open request holds a worker
+    thread of megatron-core 0.16's Flask app until its reply, so asyncio's default pool of
+    min(32, CPUs + 4) threads would hold /health behind them until the pools resumed."""
+    n = 48
+
+    def ask(i):
+        return requests.post(server.url + "/v1/completions", timeout=300, json=dict(
+            prompt=served["prompts"][i], max_tokens=MAX_TOKENS, temperature=0))
+
+    async def use(client):
+        await _pause(client)
+        with ThreadPoolExecutor(n) as pool:
+            replies = [pool.submit(ask, i) for i in range(n)]
+            await asyncio.sleep(2.0)
+            start = time.perf_counter()
+            try:
+                health = await asyncio.to_thread(requests.get, server.url + "/health", timeout=10)
+            finally:
+                waited, still_open = time.perf_counter() - start, sum(not r.done() for r in replies)
+                client.unpause_engines()
+            return health, waited, still_open, [r.result() for r in replies]
+
+    health, waited, still_open, replies = _with_megatron_client(server, use)
+    assert health.status_code == 200 and waited < 2.0 and still_open == n, (health, waited, still_open)
+    assert [_tokens(r.json()["choices"][0]) for r in replies] == [list(t) for t in served["offline"][:n]]
+
+
 def test_values_megatrons_client_sends_unchecked_fail_that_request_only(server, served):
     """Megatron's ``InferenceClient`` sends its ``SamplingParams`` as they are: a top-k beyond
     64 bits, or a stop word that is not text, ends that request FAILED; the pool serves on."""
@@ -329,8 +383,17 @@ def test_pause_holds_requests_until_unpause(server, served):
     (dict(prompt="1 2 3", max_tokens=1e20), ("'max_tokens' 1e+20: outside the 64-bit integer range",)),
     (dict(prompt=5, max_tokens=4), ("'prompt' 5: expected text or a list, got int",)),
     (dict(prompt="1 2 3", max_tokens=None), ("'max_tokens' is null",)),
+    (dict(prompt="1 2 3 ", max_tokens=4), ("'prompt' '1 2 3 ': '' is not a token id; Megatron's null tokenizer",)),
+    (dict(prompt="1 18446744073709551616", max_tokens=4), ("token id 18446744073709551616 outside the vocabulary",)),
+    (dict(prompt="1 2", max_tokens=10**400), ("'max_tokens' 100000000000... (401 digits): outside the 64-bit",)),
+    (dict(prompt="1 2", max_tokens=4, temperature=-10**400), ("'temperature' -10000000000... (402 digits): must be",)),
+    ('{"prompt": "1 \\ud800", "max_tokens": 4}', ("'prompt': not valid Unicode",)),
+    (dict(prompt="1 2", max_tokens=4, n=2), ("'n' 2: Megatron's completions endpoint gives one choice per prompt",)),
+    (dict(prompt="1 2", max_tokens=4, stream=True), ("'stream' true: this megatron-core's endpoints answer in one",)),
+    (dict(prompt="1 2", max_tokens=4, stop=[3]), ("'stop' [3]: expected text or a list of texts",)),
 ], ids=["empty", "vocab", "max_tokens_0", "max_tokens_list", "n_0", "n_huge", "too_long", "negative_temperature", "malformed_json", "logprobs_vocab",
-        "id_64_bits", "top_k_64_bits", "max_tokens_64_bits", "prompt_int", "max_tokens_null"])
+        "id_64_bits", "top_k_64_bits", "max_tokens_64_bits", "prompt_int", "max_tokens_null", "null_tokenizer_text",
+        "text_id_64_bits", "max_tokens_digits", "temperature_digits", "lone_surrogate", "n_completions", "stream", "stop_ids"])
 def test_bad_input_is_answered_with_the_problem_and_the_server_keeps_serving(server, served, body, messages):
     """400 and the problem in the body, both for what the body shows (the front end's check)
     and for what the pool refuses (a text prompt's ids outside the vocabulary or beyond the
@@ -464,6 +527,22 @@ def test_chat_completions_apply_the_tokenizers_chat_template(chat_server):
     # only the completion routes' bodies are checked: other routes answer as the app does
     assert requests.post(s.url + "/health", timeout=30, data="x").status_code == 405
     assert requests.post(s.url + "/nowhere", timeout=30, json={}).status_code == 404
+
+
+@pytest.mark.parametrize("messages, message", [
+    ([{"content": "hi"}], "'messages'[0].role None: must be one of system, developer, user, assistant, tool"),
+    ([{"role": "user"}], "'messages'[0].content: expected text, got NoneType"),
+    ([{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "expected text, got a list of content parts"),
+    (["hi"], "'messages'[0] 'hi': expected an object with 'role' and 'content'"),
+    ("hi", "'messages' 'hi': expected a list of messages, got str"),
+    ([{"role": "user", "content": "\ud800"}], "'messages': not valid Unicode"),
+], ids=["no_role", "no_content", "content_parts", "string_message", "string_messages", "lone_surrogate"])
+def test_chat_messages_no_template_renders_as_asked_get_400(chat_server, messages, message):
+    """A chat template renders a missing role or content as empty text, and a list of content
+    parts as its Python repr: such messages are answered 400 naming the message, not served."""
+    s, _ = chat_server
+    r = requests.post(s.url + "/v1/chat/completions", timeout=120, json=dict(messages=messages, max_tokens=2))
+    assert r.status_code == 400 and message in r.text, (r.status_code, r.text)
 
 
 def test_megatrons_stop_ends_the_server_in_order(chat_server):

@@ -72,3 +72,31 @@ def test_chat_template_as_megatrons_chat_endpoint_calls_it(tmp_path):
     with pytest.raises(AttributeError, match="no chat template"):
         plain.apply_chat_template(messages)
 
+
+
+def test_generation_configs_end_ids_end_a_sequence_as_transformers_generate_ends_it(tmp_path):
+    """Llama-3 and Qwen2.5 instruct folders list several end ids in ``generation_config.json``
+    (transformers' ``generate`` stops at each); the tokenizer's EOS is one of them. The others
+    are the tokenizer's ``stop_ids``, which end a served request (with the tokenizer's default
+    end: no ``termination_id``) and the main job's requests."""
+    from tknp_megatron.serving.megatron_types import to_engine_request
+
+    folder = make_tiny_tokenizer(tmp_path / "tok")
+    eos = Tokenizer(folder).eos_id
+    assert Tokenizer(folder).stop_ids == ()
+    (folder / "generation_config.json").write_text(f'{{"eos_token_id": [{eos}, 7, 7, 9, "x", 100000]}}')
+    tok = Tokenizer(folder)
+    assert tok.eos_id == eos and tok.stop_ids == (7, 9)  # deduplicated, outside the vocabulary dropped
+    req = to_engine_request([1, 2], {"num_tokens_to_generate": 4}, tok, 64)
+    assert req.params.eos_id == eos and req.params.stop_sequences == ((7,), (9,))
+    req = to_engine_request([1, 2], {"num_tokens_to_generate": 4, "termination_id": 3, "stop_words": None}, tok, 64)
+    assert req.params.eos_id == 3 and req.params.stop_sequences == ()  # an explicit end: only that one
+    (folder / "generation_config.json").write_text('{"eos_token_id": 9}')
+    assert Tokenizer(folder).stop_ids == (9,)
+
+    from tests.helpers import load_job_module
+
+    job = load_job_module()
+    args = job.parse_args(["--tokenizer", str(folder), "--prompt", "a b", "--output-len", "4"])
+    params = job.prepare_job(args).sampling()
+    assert params.eos_id == eos and params.stop_sequences == ((9,),)

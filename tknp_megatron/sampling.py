@@ -22,6 +22,7 @@ import torch
 from tknp_megatron.hashing import MASK32, mix32
 
 __all__ = [
+    "GREEDY_BELOW",
     "SamplingParams",
     "SamplingTensors",
     "sampling_tensors",
@@ -34,6 +35,10 @@ __all__ = [
 ]
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+GREEDY_BELOW = 1e-5
+"""Temperatures below this are greedy, as in vLLM: the draw's limit as the temperature goes to
+0 is the argmax, and logits divided by a temperature near float32's smallest normal overflow
+to infinity, where the argmax would take the first infinite one, not the largest logit."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +60,8 @@ class SamplingParams:
     """
 
     temperature: float = 0.0
-    """Softmax temperature; 0 means greedy (argmax)."""
+    """Softmax temperature; 0 means greedy (argmax), and so does any temperature below
+    :data:`GREEDY_BELOW` (stored as 0)."""
     top_k: int = 0
     """Keep only the k most likely tokens; 0 means off."""
     top_p: float = 1.0
@@ -76,6 +82,8 @@ class SamplingParams:
     output, as Megatron's engine keeps a stop word)."""
 
     def __post_init__(self) -> None:
+        if 0 < self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
         bad = [p for p in self.problems() if not p.startswith("max_new_tokens")]
         if bad:
             raise ValueError("invalid SamplingParams: " + "; ".join(bad))
@@ -226,7 +234,7 @@ def sample(
 ) -> torch.Tensor:
     """Draw one token per row; ``[B, V]`` logits (any float dtype) -> ``[B]`` int64.
 
-    Per row: greedy when ``temperature == 0``; otherwise scale by ``1 / temperature``,
+    Per row: greedy when ``temperature < GREEDY_BELOW``; otherwise scale by ``1 / temperature``,
     keep the ``top_k`` largest (0 = all), keep the nucleus of mass ``top_p``, then take
     ``argmax(logit / T - log(-log u))`` over the kept tokens, with ``u`` from
     :func:`hash_uniform` (a Gumbel-max draw from the filtered softmax).
@@ -242,7 +250,7 @@ def sample(
     differ only if two kept tokens' scores agree to within float32 rounding of ``log``.
     """
     x = logits.to(torch.float32)
-    hot = temperature > 0
+    hot = temperature >= GREEDY_BELOW
     safe_t = torch.where(hot, temperature.to(torch.float32), 1.0)[:, None]
     scaled = x / safe_t
     keep = _filter_mask(scaled, top_k, top_p.to(torch.float32))

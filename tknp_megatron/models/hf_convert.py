@@ -74,6 +74,7 @@ reads them; only the default RoPE type is supported.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Dict, Optional, Union
@@ -126,7 +127,7 @@ _LLAMA_ACTIVATIONS = {"silu": Activation.SILU, "swish": Activation.SILU, "gelu":
 def _llama_preset(cfg: Dict, name: str, model_type: str = "llama") -> ModelPreset:
     """Llama, Mistral (Llama's layers; a sliding window caps the served length, within which
     attention is exact) and Qwen2 (Llama's layers plus q/k/v biases)."""
-    scaling = cfg.get("rope_scaling") or (cfg.get("rope_parameters") or {})
+    scaling = _rope_scaling(cfg)
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in ("default", "llama3"):
         raise ValueError(f"rope_scaling type {rope_type!r} unsupported (default, llama3)")
@@ -134,9 +135,12 @@ def _llama_preset(cfg: Dict, name: str, model_type: str = "llama") -> ModelPrese
     if llama3 and (scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0),
                    scaling.get("original_max_position_embeddings", 8192)) != (1.0, 4.0, 8192):
         raise ValueError(f"llama3 rope_scaling {scaling}: Megatron fixes 1/4/8192")
+    factor = _config_float(scaling, "factor", 8.0, "rope_scaling factor", low=1.0) if llama3 else 8.0
     theta = _whole_rope_theta(_rope_value(cfg, "rope_theta", 10000.0), model_type)
-    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-        raise ValueError("attention_bias / mlp_bias not supported")
+    for key in ("attention_bias", "mlp_bias"):
+        if cfg.get(key):
+            raise ValueError(f"{model_type} {key} {cfg[key]!r} unsupported (Llama's layers have no "
+                             f"such biases{'; Qwen2 has q/k/v biases without the key' if key == 'attention_bias' else ''})")
     if cfg.get("use_sliding_window"):
         raise ValueError(f"{model_type} use_sliding_window=True unsupported (full attention only)")
     missing = [key for key in _LLAMA_REQUIRED if key not in cfg]
@@ -165,14 +169,14 @@ def _llama_preset(cfg: Dict, name: str, model_type: str = "llama") -> ModelPrese
         gated=True,
         activation=_LLAMA_ACTIVATIONS[act],
         normalization="RMSNorm",
-        layernorm_epsilon=cfg.get("rms_norm_eps", 1e-6),
+        layernorm_epsilon=_config_float(cfg, "rms_norm_eps", 1e-6, low=0.0, above=True),
         add_qkv_bias=model_type == "qwen2",
         gpt=GPTArgs(
             vocab_size=cfg["vocab_size"],
             max_sequence_length=max_len,
             rotary_base=theta,
             rope_scaling=llama3,
-            rope_scaling_factor=float(scaling.get("factor", 8.0)) if llama3 else 8.0,
+            rope_scaling_factor=factor,
             share_embeddings_and_output_weights=False,
         ),
     )
@@ -187,11 +191,12 @@ def _nemotron_preset(cfg: Dict, name: str) -> ModelPreset:
     if act != "relu2":
         raise ValueError(f"nemotron hidden_act {act!r} unsupported (relu2 = squared ReLU)")
     for field in ("rope_scaling", "rope_parameters"):
-        rope = cfg.get(field) or {}
+        rope = _rope_scaling({field: cfg.get(field)})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise ValueError(f"nemotron {field} {rope!r} unsupported (default RoPE only)")
-    factor = float(_rope_value(cfg, "partial_rotary_factor", 0.5))
+    factor = _config_float({"partial_rotary_factor": _rope_value(cfg, "partial_rotary_factor", 0.5)},
+                           "partial_rotary_factor", 0.5, low=0.0, above=True)
     theta = _whole_rope_theta(_rope_value(cfg, "rope_theta", 10000.0), "nemotron")
     heads = cfg.get("num_attention_heads", 48)
     hidden = cfg.get("hidden_size", 6144)
@@ -212,7 +217,7 @@ def _nemotron_preset(cfg: Dict, name: str) -> ModelPreset:
         activation=Activation.SQUARED_RELU,
         normalization="LayerNorm",
         zero_centered_gamma=True,
-        layernorm_epsilon=float(cfg.get("norm_eps", 1e-5)),
+        layernorm_epsilon=_config_float(cfg, "norm_eps", 1e-5, low=0.0, above=True),
         add_bias_linear=False,
         gpt=GPTArgs(
             vocab_size=cfg.get("vocab_size", 256000),
@@ -222,6 +227,32 @@ def _nemotron_preset(cfg: Dict, name: str) -> ModelPreset:
             share_embeddings_and_output_weights=False,
         ),
     )
+
+
+def _config_float(cfg: Dict, key: str, default: float, name: Optional[str] = None, *, low: float,
+                  above: bool = False) -> float:
+    """``cfg[key]`` as a float (``default`` where absent or null); ``ValueError`` naming the key
+    (``name``, if given) and the value for one that is not a finite number ``>= low`` (``>
+    low`` with ``above``). JSON ``"1e-5"`` is text, not a number: refused, as transformers'
+    typed config classes would, not passed on to fail inside a rank."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    bound = f"> {low:g}" if above else f">= {low:g}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
+            value <= low if above else value < low):
+        raise ValueError(f"config.json {name or key} {value!r}: must be a number {bound}")
+    return float(value)
+
+
+def _rope_scaling(cfg: Dict) -> Dict:
+    """``rope_scaling`` (or ``rope_parameters``) as a dict, ``{}`` where absent or null;
+    ``ValueError`` naming it for any other value."""
+    for key in ("rope_scaling", "rope_parameters"):
+        value = cfg.get(key)
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"config.json {key} {value!r}: must be an object (or null)")
+    return cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
 
 
 def _rope_value(cfg: Dict, key: str, default):

@@ -7,8 +7,10 @@ every file the index names exists and is whole, and every tensor the conversion 
 present, stored as a float the converter takes, and of the shape the config implies.
 
 Which files: those ``model.safetensors.index.json`` maps tensors to when the folder has
-one, else every ``*.safetensors`` except Mistral's ``consolidated*.safetensors`` (the same
-weights again, in Mistral's own names).
+one, else ``model.safetensors``, as ``transformers`` loads them. Any other ``*.safetensors``
+beside them (Mistral's ``consolidated.safetensors``, an EMA copy, an adapter) is not the
+model's and is not read: read as well, a copy with the same tensor names would replace the
+model's weights without a word.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from tknp_megatron.config import ModelPreset
 PathLike = Union[str, os.PathLike]
 
 INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
 ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8,
               "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "U16": 2, "U32": 4, "U64": 8}
 CONVERTED = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
@@ -59,10 +62,13 @@ def weight_files(folder: PathLike) -> List[Path]:
             raise HFFolderError(f"{INDEX} names {missing[0]}, which the folder lacks"
                                 + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
         return [folder / n for n in names]
-    files = sorted(p for p in folder.glob("*.safetensors") if not p.name.startswith("consolidated"))
-    if not files:
-        raise HFFolderError("no *.safetensors weights")
-    return files
+    single = folder / SINGLE
+    if single.is_file():
+        return [single]
+    others = sorted(p.name for p in folder.glob("*.safetensors"))
+    raise HFFolderError(f"no {SINGLE} and no {INDEX}" + (
+        f" ({', '.join(others[:3])}{' ...' if len(others) > 3 else ''} found: transformers loads neither, "
+        f"name the model's file {SINGLE} or give the index)" if others else " (no *.safetensors weights)"))
 
 
 def read_header(path: Path) -> Dict[str, StoredTensor]:

@@ -6,7 +6,10 @@ nothing is downloaded) and falls back to the ``tokenizers`` library's
 ``tokenizer_config.json``). Prompts are encoded *without* special tokens, except that a
 BOS is kept when the tokenizer puts one in front by default (Llama's ``<s>`` /
 ``<|begin_of_text|>``): the model was trained to see it, so leaving it out changes the
-output. EOS, when the tokenizer names one, is what stops generation.
+output. EOS, when the tokenizer names one, is what stops generation, and so does every other
+end-of-sequence id the folder's ``generation_config.json`` lists (:attr:`Tokenizer.stop_ids`:
+Llama-3 and Qwen2.5 instruct folders list two or three), as ``transformers``' ``generate``
+stops at each.
 
 :class:`Tokenizer` also has the interface Megatron-Core's inference server and
 coordinator call (``tokenize`` / ``detokenize`` / ``apply_chat_template`` / ``chat_template`` / ``eod`` / ``bos`` /
@@ -20,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 __all__ = ["Tokenizer", "server_tokenizer"]
 
@@ -38,6 +41,18 @@ def _load_hf(folder: Path) -> Optional[Any]:
         return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def _generation_eos(folder: Path) -> Tuple[int, ...]:
+    """``eos_token_id`` of the folder's ``generation_config.json`` (an id or a list of them),
+    the ids that are whole numbers; () without the file or the key."""
+    path = folder / "generation_config.json"
+    try:
+        value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id") if path.is_file() else None
+    except (ValueError, AttributeError):
+        return ()
+    ids = value if isinstance(value, list) else [value]
+    return tuple(i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0)
 
 
 def _special_token(folder: Path, name: str) -> Optional[str]:
@@ -62,6 +77,9 @@ class Tokenizer:
 
     Attributes:
         eos_id: end-of-sequence token id, or None when the tokenizer has none.
+        stop_ids: the other ids that end a sequence: those ``generation_config.json``'s
+            ``eos_token_id`` lists besides ``eos_id`` (``transformers``' ``generate`` stops at
+            each), within the vocabulary.
         bos_id: beginning-of-sequence token id, or None.
         vocab_size: number of token ids, added tokens included (ids are ``< vocab_size``).
     """
@@ -80,6 +98,8 @@ class Tokenizer:
             self._raw = RawTokenizer.from_file(str(path))
         self.bos_id = self._token_id("bos")
         self.eos_id = self._token_id("eos")
+        self.stop_ids = tuple(i for i in dict.fromkeys(_generation_eos(self.folder))
+                              if i != self.eos_id and i < self.vocab_size)
         self._prepend_bos = self.bos_id is not None and self._encode(_PROBE, True)[:1] == [self.bos_id]
 
     @property

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
+import importlib.util
 import inspect
 import math
 import multiprocessing as mp
@@ -41,12 +42,17 @@ import socket
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
 from tknp_megatron.serving.coordinator_link import unbounded_queues
 from tknp_megatron.serving.megatron_types import REPLIES_ARE_RECORDS
 
 GRACEFUL_S = 10.0  # how long a stopping HTTP server may take to answer the requests it holds
+HTTP_THREADS = 2048
+"""Worker threads of one HTTP process: with megatron-core 0.16's Flask app, the most requests
+it holds at once (each open request keeps one until its reply; threads start as needed)."""
 MAX_BODY_BYTES = 2**30  # a request body's limit (a batch of long token-id prompts is large)
 
 __all__ = ["Frontend", "default_replicas", "helper_context"]
@@ -273,6 +279,11 @@ class _FailedAsError:
             # skip_prompt_log_probs at False, which asks for the prompt's as well
             sampling_params.add_attributes(dict(return_prompt_top_n_logprobs=False,
                                                 skip_prompt_log_probs=True))
+        if has_request_context() and not sampling_params.stop_words:
+            # 0.16's endpoints drop the body's stop sequences; 0.17 and later pass them on
+            stop = (request.get_json(silent=True) or {}).get("stop")
+            if stop:
+                sampling_params.add_attributes(dict(stop_words=[stop] if isinstance(stop, str) else list(stop)))
         future = asyncio.get_running_loop().create_future()
         with self._lock:
             request_id = client.next_request_id
@@ -315,12 +326,19 @@ async def _raise_if_failed(future):
 def _status_of_failures(response):
     """megatron-core 0.16's endpoints answer a request whose inference raised with 500; for
     one the pools refused for what it asks, 400, as 0.17 and later answer a request FAILED
-    with a non-transient error (Flask ``after_request``)."""
+    with a non-transient error; and for one whose prompt or messages the tokenizer refused,
+    400 (Flask ``after_request``)."""
     from flask import g
 
-    if response.status_code == 500 and g.get("tknp_refused"):
+    if response.status_code == 500 and (g.get("tknp_refused") or _tokenizer_failure(response.get_data())):
         response.status_code = 400
     return response
+
+
+def _tokenizer_failure(body: bytes) -> bool:
+    """Whether a 500's body is Megatron's endpoint saying the tokenizer raised on the prompt or
+    on the chat messages (:data:`_TOKENIZER_FAILURES`)."""
+    return body.decode("utf-8", "replace").startswith(_TOKENIZER_FAILURES)
 
 
 _INT64 = 2**63
@@ -342,7 +360,32 @@ _NUMBER_RULES = {  # field -> (integer?, lowest, highest or None, the rule in wo
 """The numeric fields Megatron's completion endpoints convert with ``int()`` / ``float()``,
 and the values a request can carry to the pools. Chat's ``logprobs`` is a boolean."""
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 COMPLETION_ROUTES = ("/completions", "/v1/completions", "/v1/chat/completions", "/chat/completions")
+_TOKENIZER_FAILURES = ("Error tokenizing prompt", "Error processing 'messages'")
+"""How Megatron's endpoints begin the 500 they answer when the tokenizer raises on a prompt
+or on chat messages: the request's fault, answered 400 here (:func:`_status_of_failures`)."""
+
+
+@dataclass(frozen=True)
+class BodyRules:
+    """What a completion request's body may hold on this server (:func:`_body_problem`)."""
+
+    vocab: int
+    """Token ids lie in ``[0, vocab)``."""
+    text_is_ids: bool = False
+    """The tokenizer is Megatron's null tokenizer: a text prompt is token ids separated by
+    single spaces (it parses them with ``int()``)."""
+    streams: bool = False
+    """The installed endpoints answer ``"stream": true`` with a stream (not 0.16-0.19)."""
+
+
+def _shown(value) -> str:
+    """A value as a one-line message shows it: a long one by its head and its length."""
+    text = repr(value)
+    if len(text) <= 40:
+        return text
+    return f"{text[:12]}... ({len(text)} digits)" if isinstance(value, int) else f"{text[:40]}... ({len(text)} characters)"
 
 
 def _number_problem(field: str, value, vocab: int) -> Optional[str]:
@@ -356,46 +399,112 @@ def _number_problem(field: str, value, vocab: int) -> Optional[str]:
     if not isinstance(value, (int, float)):
         return f"'{field}' {value!r}: expected a number, got {type(value).__name__}"
     high = vocab if high == "vocab" else high
-    if integer and math.isfinite(value) and not -_INT64 <= value < _INT64:
-        return f"'{field}' {value}: outside the 64-bit integer range"
-    if integer and math.isfinite(value) and value != int(value):
+    try:
+        real = float(value)
+    except OverflowError:  # an integer beyond any float: JSON allows any number of digits
+        real = math.inf if value > 0 else -math.inf
+    if integer and (isinstance(value, int) or math.isfinite(real)) and not -_INT64 <= value < _INT64:
+        return f"'{field}' {_shown(value)}: outside the 64-bit integer range"
+    if integer and math.isfinite(real) and value != int(value):
         return f"'{field}' {value}: must be a whole number"
-    if not math.isfinite(value) or value < low or (high is not None and value > high):
-        return f"'{field}' {value}: must be {rule.format(vocab=vocab)}"
+    if not math.isfinite(real) or real < low or (high is not None and real > high):
+        return f"'{field}' {_shown(value)}: must be {rule.format(vocab=vocab)}"
     return None
 
 
-def _body_problem(method: str, body, vocab: int, path: str = "/v1/completions") -> Optional[tuple]:
+def _text_problem(key: str, text: str, ids_below: Optional[int] = None) -> Optional[str]:
+    """Text no tokenizer can take: not Unicode (a lone surrogate, which JSON's escapes can
+    carry); with ``ids_below`` (Megatron's null tokenizer), not token ids below it separated
+    by single spaces."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return f"'{key}': not valid Unicode ({err.reason} at character {err.start})"
+    if ids_below is not None:
+        for word in text.split(" "):
+            if not (word.isascii() and word.isdigit()):
+                return (f"'{key}' {_shown(text)}: {_shown(word)} is not a token id; Megatron's null "
+                        f"tokenizer takes ids in [0, {ids_below}) separated by single spaces")
+            if len(word) > 18 or int(word) >= ids_below:  # int() refuses over 4300 digits
+                shown = word if len(word) <= 40 else f"{word[:12]}... ({len(word)} digits)"
+                return f"'{key}': token id {shown} outside the vocabulary [0, {ids_below})"
+    return None
+
+
+def _messages_problem(messages: list) -> Optional[str]:
+    """Chat messages a chat template cannot render as asked: each an object with a known
+    ``role`` and text ``content`` (absent or null only beside an assistant's tool calls)."""
+    for i, message in enumerate(messages):
+        where = f"'messages'[{i}]"
+        if not isinstance(message, dict):
+            return f"{where} {_shown(message)}: expected an object with 'role' and 'content'"
+        role, content = message.get("role"), message.get("content")
+        if role not in CHAT_ROLES:
+            return f"{where}.role {_shown(role)}: must be one of {', '.join(CHAT_ROLES)}"
+        if content is None and message.get("tool_calls"):
+            continue
+        if not isinstance(content, str):
+            kind = "a list of content parts" if isinstance(content, list) else type(content).__name__
+            return f"{where}.content: expected text, got {kind}"
+    return None
+
+
+def _body_problem(method: str, body, rules: BodyRules, path: str = "/v1/completions") -> Optional[tuple]:
     """400, naming the field and the value, for a completion request's body that Megatron's
-    endpoints would answer with a bare 500 or a generic page, or whose values the request
-    cannot carry to the pools: not a JSON object; a prompt (or chat messages) empty or
-    neither text nor a list; a prompt's token id outside the tokenizer's ``vocab`` (the
-    endpoint detokenizes the ids first, and a Hugging Face tokenizer fails on one beyond 32
-    bits without naming it); a numeric field that is null, not a number, or outside what
-    the request takes (:data:`_NUMBER_RULES`). Other routes (``/health``, an unknown
+    endpoints would answer with a bare 500 or a generic page, would take but ignore, or
+    whose values the request cannot carry to the pools: not a JSON object; a prompt (or chat
+    messages) empty or neither text nor a list; text no tokenizer takes
+    (:func:`_text_problem`); a prompt's token id outside the vocabulary (the endpoint
+    detokenizes the ids first, and a Hugging Face tokenizer fails on one beyond 32 bits
+    without naming it); chat messages a template cannot render (:func:`_messages_problem`);
+    a numeric field that is null, not a number, or outside what the request takes
+    (:data:`_NUMBER_RULES`); ``stop`` that is not text or a list of texts; ``n`` above 1 on
+    the completions route (Megatron's completions endpoint gives one choice per prompt);
+    ``stream`` where the endpoints cannot stream. Other routes (``/health``, an unknown
     path) are left to the app, which answers them itself (404, 405)."""
-    if method != "POST" or path.rstrip("/") not in COMPLETION_ROUTES:
+    route = path.rstrip("/")
+    if method != "POST" or route not in COMPLETION_ROUTES:
         return None
     if not isinstance(body, dict):
         return "request body is not a JSON object", 400
-    key = "prompt" if "prompt" in body else "messages"
+    chat = route.endswith("chat/completions")
+    key = "messages" if chat else "prompt"
     prompt = body.get(key)
     if prompt is not None:
-        if not isinstance(prompt, (str, list)):
-            return f"'{key}' {prompt!r}: expected text or a list, got {type(prompt).__name__}", 400
+        if not isinstance(prompt, (str, list)) or chat and not isinstance(prompt, list):
+            expected = "a list of messages" if chat else "text or a list"
+            return f"'{key}' {_shown(prompt)}: expected {expected}, got {type(prompt).__name__}", 400
         if len(prompt) == 0:
             return f"'{key}' is empty", 400
-        if isinstance(prompt, list):  # token ids, or lists of them (a batch of prompts)
+        if chat:
+            problem = _messages_problem(prompt) or next(filter(None, (
+                _text_problem(key, m["content"]) for m in prompt if isinstance(m.get("content"), str))), None)
+        elif isinstance(prompt, str) or all(isinstance(p, str) for p in prompt):
+            ids_below = rules.vocab if rules.text_is_ids else None
+            problem = next(filter(None, (_text_problem(key, t, ids_below)
+                                         for t in ([prompt] if isinstance(prompt, str) else prompt))), None)
+        else:  # token ids, or lists of them (a batch of prompts)
             ids = [t for item in prompt for t in (item if isinstance(item, list) else [item])
                    if isinstance(t, int) and not isinstance(t, bool)]
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                return f"'{key}': token id {bad} outside the vocabulary [0, {vocab})", 400
+            bad = next((t for t in ids if not 0 <= t < rules.vocab), None)
+            problem = None if bad is None else f"'{key}': token id {_shown(bad)} outside the vocabulary [0, {rules.vocab})"
+        if problem:
+            return problem, 400
     for field in _NUMBER_RULES:
         if field in body:
-            problem = _number_problem(field, body[field], vocab)
+            problem = _number_problem(field, body[field], rules.vocab)
             if problem:
                 return problem, 400
+    stop = body.get("stop")
+    if stop is not None and not (isinstance(stop, str) or isinstance(stop, list) and all(
+            isinstance(s, str) for s in stop)):
+        return f"'stop' {_shown(stop)}: expected text or a list of texts", 400
+    if not chat and body.get("n", 1) > 1:
+        return (f"'n' {body['n']}: Megatron's completions endpoint gives one choice per prompt; repeat the "
+                "prompt in a list, or ask /v1/chat/completions, which takes n"), 400
+    if body.get("stream") and not rules.streams:
+        return ("'stream' true: this megatron-core's endpoints answer in one response, not as a stream; "
+                "leave it out or false"), 400
     return None
 
 
@@ -432,6 +541,16 @@ async def _http_main(address: str, tokenizer, host: str, port: int, stop, listen
     import megatron.core.inference.text_generation_server.dynamic_text_gen_server.endpoints as endpoints
     from megatron.core.inference.inference_client import InferenceClient
 
+    from tknp_megatron.models.tokenizer import Tokenizer
+
+    loop = asyncio.get_running_loop()
+    # 0.16's Flask app runs in hypercorn's worker threads (the loop's default executor), each
+    # request's handler holding one until its reply: asyncio's default of min(32, CPUs + 4)
+    # threads would cap the requests in flight there, and queue /health behind them
+    loop.set_default_executor(ThreadPoolExecutor(HTTP_THREADS, thread_name_prefix="http"))
+    rules = BodyRules(tokenizer.vocab_size, text_is_ids=not isinstance(tokenizer, Tokenizer),
+                      streams=importlib.util.find_spec(f"{endpoints.__name__.rsplit('.', 1)[0]}.openai_streaming")
+                      is not None)
     client = InferenceClient(address)
     unbounded_queues(client.socket)
     started = client.start()
@@ -443,7 +562,7 @@ async def _http_main(address: str, tokenizer, host: str, port: int, stop, listen
         app = Flask("tknp_megatron.serving")
         app.config["client"] = _FailedAsError(client)
         app.before_request(lambda: _body_problem(request.method, request.get_json(silent=True),
-                                                 tokenizer.vocab_size, request.path))
+                                                 rules, request.path))
         app.after_request(_status_of_failures)
     else:
         from quart import Quart, request
@@ -456,7 +575,13 @@ async def _http_main(address: str, tokenizer, host: str, port: int, stop, listen
         @app.before_request
         async def _check():
             return _body_problem(request.method, await request.get_json(force=True, silent=True),
-                                 tokenizer.vocab_size, request.path)
+                                 rules, request.path)
+
+        @app.after_request
+        async def _tokenizer_failures(response):  # see _status_of_failures
+            if response.status_code == 500 and _tokenizer_failure(await response.get_data()):
+                response.status_code = 400
+            return response
     app.config["tokenizer"] = tokenizer
     for blueprint in endpoints.__all__:
         app.register_blueprint(blueprint)
@@ -469,8 +594,12 @@ async def _http_main(address: str, tokenizer, host: str, port: int, stop, listen
     config.graceful_timeout = GRACEFUL_S
     config.wsgi_max_body_size = MAX_BODY_BYTES  # the Flask app's (0.16) limit, as Quart's
 
+    stopping = asyncio.Event()  # set from a thread of its own, not one of the handlers' threads
+    threading.Thread(target=lambda: (stop.wait(), loop.call_soon_threadsafe(stopping.set)),
+                     name="http-stop", daemon=True).start()
+
     async def stopped():  # no signal handlers (see _child): the parent sets the event
-        await asyncio.get_running_loop().run_in_executor(None, stop.wait)
+        await stopping.wait()
         # Shut down once no request still awaits its reply from the coordinator (the pool
         # has sent them all by now), so every handler answers before hypercorn stops it.
         deadline = time.monotonic() + GRACEFUL_S

@@ -26,7 +26,7 @@ from packaging.version import Version
 
 from tknp_megatron.engine.config import GenerationResult
 from tknp_megatron.engine.request import RequestStatus
-from tknp_megatron.sampling import SamplingParams
+from tknp_megatron.sampling import GREEDY_BELOW, SamplingParams
 
 __all__ = [
     "MEGATRON_VERSION",
@@ -104,11 +104,11 @@ def to_engine_request(
     """Megatron's ``(prompt, SamplingParams.serialize())`` -> the engine's request.
 
     Megatron's conventions, applied as its engine applies them: ``top_k == 1`` or
-    ``temperature == 0`` is greedy; ``top_p == 0`` is off; ``termination_id`` None is the
-    tokenizer's ``eod`` and -1 is none; ``num_tokens_total`` (with ``num_tokens_to_generate``
-    None: Megatron's engine takes one of the two) generates ``num_tokens_total - len(prompt)``,
-    neither up to ``max_sequence_length``; stop words are
-    tokenized without BOS. Prompt log-probs (``return_log_probs`` without
+    ``temperature == 0`` is greedy (here any temperature below ``GREEDY_BELOW``); ``top_p ==
+    0`` is off; ``termination_id`` None is the tokenizer's ``eod`` and -1 is none;
+    ``num_tokens_total`` (with ``num_tokens_to_generate`` None: Megatron's engine takes one of
+    the two) generates ``num_tokens_total - len(prompt)``, neither up to
+    ``max_sequence_length``; stop words are tokenized without BOS. Prompt log-probs (``return_log_probs`` without
     ``skip_prompt_log_probs``) are refused: a decode pool receives its prompts' KV and
     never computes their logits.
 
@@ -135,7 +135,7 @@ def to_engine_request(
         raise RequestRefused(f"top_p {top_p}: must be in [0, 1] (0 is off)")
     if top_k < 0:
         raise RequestRefused(f"top_k {top_k}: must be >= 0 (0 is off)")
-    greedy = top_k == 1 or temperature == 0.0
+    greedy = top_k == 1 or temperature < GREEDY_BELOW
     try:
         new_tokens = _optional_int(params, "num_tokens_to_generate")
         total = _optional_int(params, "num_tokens_total")
@@ -153,7 +153,8 @@ def to_engine_request(
         new_tokens = max_sequence_length - len(ids)
     elif new_tokens < 1:
         raise RequestRefused(f"num_tokens_to_generate {new_tokens}: must be at least 1")
-    if termination is None:
+    tokenizers_end = termination is None  # the tokenizer's end: its eod and its other end ids
+    if tokenizers_end:
         termination = getattr(tokenizer, "eod", None)
     return_log_probs = bool(params.get("return_log_probs", False))
     if return_log_probs and not params.get("skip_prompt_log_probs", False):
@@ -162,6 +163,8 @@ def to_engine_request(
     stop = tuple(tuple(tokenize_prompt(tokenizer, word, False)) for word in params.get("stop_words") or ())
     if any(not s for s in stop):
         raise RequestRefused(f"stop_words {params.get('stop_words')}: a stop word has no tokens")
+    if tokenizers_end:
+        stop += tuple((i,) for i in getattr(tokenizer, "stop_ids", ()))
     try:
         engine_params = SamplingParams(
             temperature=0.0 if greedy else temperature,
