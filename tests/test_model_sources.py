@@ -68,6 +68,51 @@ def test_unsupported_features_are_refused_by_name(key, value):
         preset_from_model_config(dump)
 
 
+def test_the_json_megatrons_config_logger_writes_for_a_gpt_model(tmp_path):
+    """``TransformerConfig(config_logger_dir=...)`` makes ``GPTModel`` write its arguments with
+    Megatron's own encoder: the config under ``"config"``, dtypes as ``"torch.float32"``, the
+    activation as ``"<function silu at 0x...>"``. That file is a ``--model-config`` as it is."""
+    import inspect
+
+    from megatron.core.config_logger import log_config_to_disk
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from tknp_megatron.models.model_config import load_model_config
+
+    for name in ("tiny", "tiny-nemotron"):
+        preset = get_preset(name)
+        config = preset.to_transformer_config(1, torch.bfloat16)
+        config.config_logger_dir = str(tmp_path / name)
+        args = {k: p.default for k, p in inspect.signature(GPTModel.__init__).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+        args.update(dataclasses.asdict(preset.gpt))
+        # what GPTModel.__init__ passes (its locals()), written by Megatron's own logger
+        log_config_to_disk(config, {"config": config, "transformer_layer_spec": get_gpt_layer_local_spec(), **args,
+                                    "__class__": GPTModel}, prefix="GPTModel", rank_str="0_0_0_0_0")
+        (path,) = (tmp_path / name).glob("GPTModel.rank_*.json")
+        written = json.loads(path.read_text())
+        assert written["config"]["params_dtype"] == "torch.bfloat16"
+        assert written["config"]["activation_func"].startswith("<function ")
+        served, dtype = load_model_config(path)
+        assert served == dataclasses.replace(preset, name="model-config") and dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"activation": None}, "activation None: expected a name, one of"),
+    ({"activation_func": 5}, "activation_func 5: expected a name, one of"),
+    ({"activation_func": "<function tanh at 0x7f00>"}, "activation '<function tanh at 0x7f00>' unsupported"),
+    ({"params_dtype": ["float32"]}, "params_dtype ['float32']: expected the name of a dtype"),
+    ({"params_dtype": "torch.float8"}, "params_dtype: unknown dtype 'float8'"),
+    ({"name": None}, "name None: must be text"),
+    ({"num_layers": 10**400}, "num_layers 100000000000... (401 digits): over the 64-bit integers"),
+])
+def test_config_values_of_the_wrong_kind_are_one_line(change, message):
+    dump = {**megatron_config_dump(get_preset("tiny")), "activation_func": None, "activation": "silu", **change}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        preset_from_model_config(dump)
+
+
 def test_typos_are_still_refused():
     with pytest.raises(ValueError, match=r"\['hiden_size'\]"):
         preset_from_model_config({**megatron_config_dump(get_preset("tiny")), "hiden_size": 64})
@@ -322,6 +367,18 @@ def test_megatron_lm_args_refuse_unsupported_features():
     args.num_experts = 8
     with pytest.raises(ValueError, match=r"mixture of experts \(num_experts=8\)"):
         preset_from_checkpoint_args(args)
+
+
+def test_args_an_older_megatron_lm_did_not_store_take_its_defaults():
+    from tknp_megatron.models.model_config import preset_from_checkpoint_args
+
+    args = megatron_lm_args({**TINY, "vocab_size": 256})
+    full = preset_from_checkpoint_args(args)
+    for key in ("normalization", "rotary_base", "rotary_percent", "apply_layernorm_1p", "add_qkv_bias"):
+        delattr(args, key)
+    old = preset_from_checkpoint_args(args)
+    assert old.normalization == "LayerNorm" and old.gpt.rotary_base == 10000 and old.gpt.rotary_percent == 1.0
+    assert dataclasses.replace(old, normalization=full.normalization, gpt=full.gpt) == full
 
 
 def test_squared_relu_is_eager():

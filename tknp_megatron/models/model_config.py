@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import re
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
@@ -126,9 +127,14 @@ def _refuse(source: str, found: List[str]) -> None:
 
 def _activation(c: Mapping[str, Any]) -> Activation:
     """``activation`` (ours) or Megatron's ``activation_func`` given by name
-    (``"torch.nn.functional.silu"``, ``"squared_relu"``, ...)."""
-    name = c["activation"] if c.get("activation_func") is None else str(c["activation_func"])
-    leaf = name.rsplit(".", 1)[-1].lower()
+    (``"torch.nn.functional.silu"``, ``"squared_relu"``, or ``"<function silu at 0x...>"`` as
+    Megatron's config logger writes a function)."""
+    key = "activation" if c.get("activation_func") is None else "activation_func"
+    name = c[key]
+    if not isinstance(name, str):
+        raise ValueError(f"{key} {name!r}: expected a name, one of {sorted(set(_ALIASES))}")
+    logged = re.fullmatch(r"<function (\S+) at 0x[0-9a-fA-F]+>", name)
+    leaf = (logged.group(1) if logged else name).rsplit(".", 1)[-1].lower()
     if leaf not in _ALIASES:
         raise ValueError(f"activation {name!r} unsupported; choose one of {sorted(set(_ALIASES))}")
     return Activation(_ALIASES[leaf])
@@ -144,6 +150,8 @@ def _type_problem(c: Mapping[str, Any]) -> Optional[str]:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             return f"{key} {value!r}: must be a positive integer"
+        if value >= 2**63:
+            return f"{key} {str(value)[:12]}... ({len(str(value))} digits): over the 64-bit integers"
     for key in _BOOLS:
         if not isinstance(c[key], bool):
             return f"{key} {c[key]!r}: must be true or false"
@@ -169,6 +177,7 @@ def preset_from_model_config(cfg: Mapping[str, Any]) -> ModelPreset:
     with SiLU is SwiGLU. Raises ``ValueError`` naming unknown keys, missing keys, values of
     the wrong type or sign, and unsupported features.
     """
+    cfg = _unwrapped(cfg)
     known = set(_DEFAULTS) | set(_REQUIRED) | megatron_config_keys()
     unknown = sorted(set(cfg) - known)
     if unknown:
@@ -185,7 +194,9 @@ def preset_from_model_config(cfg: Mapping[str, Any]) -> ModelPreset:
     if c["position_embedding_type"] != "rope":
         raise ValueError(f"model-config: position_embedding_type {c['position_embedding_type']!r} "
                          "unsupported (owners apply RoPE: 'rope' only)")
-    dtype_from_name(c["params_dtype"])  # validate early
+    params_dtype(c)  # validate early
+    if not isinstance(c["name"], str):
+        raise ValueError(f"model-config: name {c['name']!r}: must be text")
     heads, hidden = c["num_attention_heads"], c["hidden_size"]
     return ModelPreset(
         name=c["name"],
@@ -227,22 +238,62 @@ def load_model_config(path) -> Tuple[ModelPreset, torch.dtype]:
         raise ValueError(f"not JSON ({err})") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"expected a JSON object of TransformerConfig fields, got {type(cfg).__name__}")
-    return preset_from_model_config(cfg), dtype_from_name(cfg.get("params_dtype", "float32"))
+    return preset_from_model_config(cfg), params_dtype({**_DEFAULTS, **_unwrapped(cfg)})
+
+
+def _unwrapped(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The JSON Megatron-Core's config logger writes for a ``GPTModel``
+    (``TransformerConfig(config_logger_dir=...)``: the ``TransformerConfig`` under ``"config"``,
+    the constructor's other arguments beside it) as one object of fields; any other object
+    as it is."""
+    if not isinstance(cfg.get("config"), dict):
+        return cfg
+    rest = {k: v for k, v in cfg.items() if k not in ("config", "transformer_layer_spec", "__class__")}
+    return {**cfg["config"], **rest}
+
+
+def params_dtype(c: Mapping[str, Any]) -> torch.dtype:
+    """``params_dtype`` (``"bfloat16"``, or ``"torch.bfloat16"`` as Megatron's config logger
+    writes it) as a torch dtype; ``ValueError`` naming the key for anything else."""
+    value = c["params_dtype"]
+    if not isinstance(value, str):
+        raise ValueError(f"model-config: params_dtype {value!r}: expected the name of a dtype "
+                         "(float32, bfloat16, float16)")
+    try:
+        return dtype_from_name(value.removeprefix("torch."))
+    except ValueError as err:
+        raise ValueError(f"model-config: params_dtype: {err}") from None
+
+
+_MEGATRON_LM_DEFAULTS = {
+    "normalization": "LayerNorm", "norm_epsilon": 1e-5, "rotary_percent": 1.0, "rotary_base": 10000,
+    "swiglu": False, "group_query_attention": False, "num_query_groups": 1, "kv_channels": None,
+    "ffn_hidden_size": None, "add_bias_linear": True, "add_qkv_bias": False, "apply_layernorm_1p": False,
+    "squared_relu": False, "untie_embeddings_and_output_weights": False, "use_rope_scaling": False,
+    "rope_scaling_factor": 8.0, "position_embedding_type": "rope",
+}
+"""Megatron-LM's argument defaults, for arguments a checkpoint from an older Megatron-LM did not
+store (its parser did not have them yet)."""
 
 
 def preset_from_checkpoint_args(args: Any, name: str = "checkpoint") -> ModelPreset:
     """A preset from Megatron-LM's training args (an ``argparse.Namespace``, as stored in
-    ``common.pt``); refuses unsupported features by name."""
+    ``common.pt``; an argument it lacks takes Megatron-LM's default); refuses unsupported
+    features by name."""
     _refuse(f"checkpoint {name}", unsupported_features(
         lambda arg, off: getattr(args, arg, off), megatron_lm=True))
+
+    def arg(key: str):
+        return getattr(args, key, _MEGATRON_LM_DEFAULTS.get(key))
+
     heads = args.num_attention_heads
-    if getattr(args, "squared_relu", False):
+    if arg("squared_relu"):
         act = Activation.SQUARED_RELU
-    elif args.swiglu:
+    elif arg("swiglu"):
         act = Activation.SILU
     else:
         act = Activation.GELU
-    pos = getattr(args, "position_embedding_type", "rope")
+    pos = arg("position_embedding_type")
     if pos != "rope":
         raise ValueError(f"checkpoint {name}: position_embedding_type {pos!r} unsupported (rope only)")
     return ModelPreset(
@@ -250,25 +301,25 @@ def preset_from_checkpoint_args(args: Any, name: str = "checkpoint") -> ModelPre
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=heads,
-        num_query_groups=args.num_query_groups if args.group_query_attention else heads,
-        kv_channels=args.kv_channels or args.hidden_size // heads,
-        ffn_hidden_size=args.ffn_hidden_size,
-        gated=bool(args.swiglu),
+        num_query_groups=arg("num_query_groups") if arg("group_query_attention") else heads,
+        kv_channels=arg("kv_channels") or args.hidden_size // heads,
+        ffn_hidden_size=arg("ffn_hidden_size") or 4 * args.hidden_size,
+        gated=bool(arg("swiglu")),
         activation=act,
-        normalization=args.normalization,
-        zero_centered_gamma=bool(getattr(args, "apply_layernorm_1p", False)),
-        layernorm_epsilon=args.norm_epsilon,
-        add_bias_linear=bool(args.add_bias_linear),
-        add_qkv_bias=bool(getattr(args, "add_qkv_bias", False)),
+        normalization=arg("normalization"),
+        zero_centered_gamma=bool(arg("apply_layernorm_1p")),
+        layernorm_epsilon=arg("norm_epsilon"),
+        add_bias_linear=bool(arg("add_bias_linear")),
+        add_qkv_bias=bool(arg("add_qkv_bias")),
         gpt=GPTArgs(
             vocab_size=_unpadded_vocab(args),
             max_sequence_length=args.max_position_embeddings,
             position_embedding_type=pos,
-            rotary_percent=args.rotary_percent,
-            rotary_base=int(args.rotary_base),
-            rope_scaling=bool(getattr(args, "use_rope_scaling", False)),
-            rope_scaling_factor=float(getattr(args, "rope_scaling_factor", 8.0)),
-            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            rotary_percent=arg("rotary_percent"),
+            rotary_base=int(arg("rotary_base")),
+            rope_scaling=bool(arg("use_rope_scaling")),
+            rope_scaling_factor=float(arg("rope_scaling_factor")),
+            share_embeddings_and_output_weights=not arg("untie_embeddings_and_output_weights"),
         ),
     )
 
