@@ -100,6 +100,22 @@ def kv_memory_problem(flag: str, kv_tokens: int, preset: ModelPreset, tp: int, d
     return None
 
 
+BLOCK_TABLE_MAX_BYTES = 2**30
+
+
+def block_table_problem(limit: int, block_size: int, max_requests: int) -> Optional[str]:
+    """Why a rank's block table (a row of ``ceil(limit / block_size)`` int32 block ids per
+    request slot, one more for padding) for requests up to ``limit`` tokens is no table to
+    allocate: over :data:`BLOCK_TABLE_MAX_BYTES`; or None."""
+    blocks = -(-limit // block_size)
+    size = (max_requests + 1) * blocks * 4
+    if size <= BLOCK_TABLE_MAX_BYTES:
+        return None
+    return (f"requests of up to {limit} tokens in {block_size}-token blocks: a block table of "
+            f"{size / 2**30:.1f} GiB on every rank ({max_requests + 1} request slots x {blocks} blocks), "
+            f"over {BLOCK_TABLE_MAX_BYTES // 2**30} GiB; bound the length with --max-sequence-length")
+
+
 def dense_format(args):
     """The dense layers the flags ask for (see :mod:`tknp_megatron.models.precision`)."""
     from tknp_megatron.models.precision import DenseFormat

@@ -155,9 +155,13 @@ def run_tknp(job: Job, device: torch.device):
 
     args, preset = job.args, job.model.preset
     groups = ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, token_parallel_size=args.nodes)
+    # the job knows its requests: the engine serves up to the longest of them (its block
+    # tables sized for that, not for the model's limit, which may be far longer)
+    longest = min(preset.gpt.max_sequence_length, max(len(p) for p in job.prompts) + args.output_len)
     config = EngineConfig(
         block_size=args.block_size, kv_tokens_per_node=job.kv_tokens, policy=args.policy,
         attention_backend=args.attention_backend, record_logits=not args.no_reference,
+        max_sequence_length=longest,
     )
     # a checkpoint: each rank reads only its own blocks
     engine = build_engine(Mode.TKNP, preset, groups, config, device, dtype_from_name(args.dtype),

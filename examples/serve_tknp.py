@@ -44,6 +44,7 @@ warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not inst
 from job_inputs import (  # noqa: E402
     JobError,
     add_model_flags,
+    block_table_problem,
     check_launch,
     dense_format,
     finish_model_flags,
@@ -160,6 +161,10 @@ def prepare(args) -> ServeJob:
     limit = args.max_sequence_length
     if limit is not None and sequence_limit_problem(limit, preset):
         problems.append(f"--max-sequence-length {limit}: {sequence_limit_problem(limit, preset)}")
+    elif args.block_size >= 1 and args.max_requests_per_node >= 1:
+        problem = block_table_problem(limit or preset.gpt.max_sequence_length, args.block_size,
+                                      args.max_requests_per_node)
+        problems += [problem] if problem else []
     kv = args.kv_tokens_per_node
     if kv is not None and kv < args.block_size:
         problems.append(f"--kv-tokens-per-node {kv}: must hold at least one block "

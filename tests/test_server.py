@@ -469,6 +469,28 @@ def test_bad_flags_are_one_line_before_any_process(argv, message, capsys, tmp_pa
     assert err.startswith("serve_tknp.py: error: ") and message in err and "\n" not in err, err
 
 
+def test_a_model_limit_no_block_table_holds_is_one_line_and_the_job_serves_its_own(capsys, tmp_path):
+    """A model whose ``max_sequence_length`` is 10**8: the server's block tables (a row of
+    blocks per request slot) would need 24 GiB on every rank, refused in one line naming the
+    flag that bounds them; the main job sizes its engine for its own requests and runs."""
+    from tests.helpers import load_job_module, run_main_job
+
+    config = tmp_path / "model.json"
+    config.write_text(json.dumps(dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                                      ffn_hidden_size=128, vocab_size=256, max_sequence_length=10**8,
+                                      normalization="RMSNorm", gated_linear_unit=True, activation="silu",
+                                      add_bias_linear=False)))
+    assert load_job_module("serve_tknp").main(["--model-config", str(config), "--block-size", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("serve_tknp.py: error: requests of up to 100000000 tokens in 4-token blocks: a block table "
+                   "of 23.9 GiB on every rank (257 request slots x 25000000 blocks), over 1 GiB; bound the "
+                   "length with --max-sequence-length"), err
+    status, out, err = run_main_job("--model-config", config, "--nodes", "2", "--tp", "1", "--requests", "3",
+                                    "--output-len", "3", "--block-size", "4", "--json", tmp_path / "job.json")
+    assert status == 0, err[-3000:]
+    assert json.loads((tmp_path / "job.json").read_text())["match_reference"] is True
+
+
 CHAT_MESSAGES = [{"role": "system", "content": "the quick model"}, {"role": "user", "content": "decodes tokens"}]
 
 
