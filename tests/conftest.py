@@ -1,6 +1,15 @@
 """Shared fixtures: the Megatron reference runs, computed once per test session."""
 
+import os
+
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton reads TRITON_INTERPRET when a kernel is decorated, and without a GPU its
+    # interpreter is the only way a kernel runs: set before any test file imports one, since
+    # a file that sets it as it is collected may come after one that imports the kernels
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.tknp_workers import SCENARIOS, SEED, reference_worker
 from tknp_megatron.launch import spawn

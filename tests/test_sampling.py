@@ -73,6 +73,23 @@ def test_temperatures_below_greedy_below_are_greedy():
     assert not SamplingParams(temperature=GREEDY_BELOW).is_greedy
 
 
+def test_a_noise_id_stands_for_the_request_id():
+    """``noise_id`` keys the noise in place of the request's id: rows of other requests with
+    one seed and noise id draw alike; the planned columns carry it (else the request id)."""
+    from tknp_megatron.plan import RequestColumns
+
+    logits = torch.randn(1, 300, generator=torch.Generator().manual_seed(2)).expand(4, -1)
+    seeded = SamplingParams(temperature=1.0, seed=9, noise_id=3)
+    same = _draw(logits, [seeded] * 4, [3, 3, 3, 3], [5] * 4)
+    cols = RequestColumns.of(request_ids=[10, 11, 12, 13], noise_ids=[3, 3, 3, 3], slots=[0] * 4, q_lens=[1] * 4,
+                             start_pos=[0] * 4, temperature=[1.0] * 4, top_k=[0] * 4, top_p=[1.0] * 4,
+                             seeds=[9] * 4, sample_steps=[5] * 4)
+    assert torch.equal(sample(logits, *cols.sampling()), same) and len(set(same.tolist())) == 1
+    assert len(set(_draw(logits, [seeded] * 4, [10, 11, 12, 13], [5] * 4).tolist())) > 1
+    with pytest.raises(ValueError, match="noise_id"):
+        SamplingParams(noise_id=2**63)
+
+
 # --- greedy and hashing ---------------------------------------------------------------
 
 

@@ -288,6 +288,22 @@ def test_a_bodys_stop_ends_a_completion_as_megatrons_later_endpoints_pass_it_on(
         assert _tokens(r.json()["choices"][0]) == full[: full.index(word) + kept]
 
 
+def test_a_seeded_request_draws_what_it_drew_before(server, served):
+    """``seed`` in the body (which Megatron's endpoints drop) keys the draws' noise with the
+    choice's index instead of the request's id: the same seeded request sampled at
+    temperature 1 gives the same tokens each time, on either pool; another seed, or none,
+    other tokens."""
+    def ask(**fields):
+        r = requests.post(server.url + "/v1/completions", timeout=120, json=dict(
+            prompt=served["prompts"][9], max_tokens=MAX_TOKENS, temperature=1.0, **fields))
+        assert r.status_code == 200, r.text
+        return _tokens(r.json()["choices"][0])
+
+    first = [ask(seed=1234) for _ in range(4)]  # spread over both pools
+    assert all(t == first[0] for t in first), first
+    assert ask(seed=1235) != first[0] and [ask() for _ in range(2)] != [first[0]] * 2
+
+
 def test_a_temperature_below_greedy_below_draws_the_greedy_tokens(server, served):
     """A temperature near float32's smallest normal would scale the logits to infinity, where
     the draw's argmax takes the first infinite logit; below ``GREEDY_BELOW`` it is greedy."""
@@ -565,6 +581,22 @@ def test_chat_messages_no_template_renders_as_asked_get_400(chat_server, message
     s, _ = chat_server
     r = requests.post(s.url + "/v1/chat/completions", timeout=120, json=dict(messages=messages, max_tokens=2))
     assert r.status_code == 400 and message in r.text, (r.status_code, r.text)
+
+
+def test_seeded_chat_choices_draw_apart_and_again_alike(chat_server):
+    """A chat request's ``n`` choices are ``n`` engine requests with one seed: each draws with
+    its own index, so they differ, and the same request gives the same choices again."""
+    s, _ = chat_server
+
+    def choices():
+        r = requests.post(s.url + "/v1/chat/completions", timeout=120, json=dict(
+            messages=CHAT_MESSAGES, max_tokens=8, temperature=1.5, n=3, seed=7))
+        assert r.status_code == 200, r.text
+        return [c["message"]["content"] for c in r.json()["choices"]]
+
+    first = choices()
+    assert len(first) == 3 and len(set(first)) > 1, first
+    assert choices() == first
 
 
 def test_megatrons_stop_ends_the_server_in_order(chat_server):

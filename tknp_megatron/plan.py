@@ -64,8 +64,10 @@ class RequestColumns:
     fields, so a new per-request field is a line here plus its value in :func:`build_plan`.
     """
 
-    request_ids: torch.Tensor = _column(torch.int64, -1, "request_ids")
+    request_ids: torch.Tensor = _column(torch.int64, -1)
     """The requests' ids; -1 marks a padding request."""
+    noise_ids: torch.Tensor = _column(torch.int64, -1, "request_ids")
+    """The ids the draws' noise is keyed by (``SamplingParams.noise_id``, else the request's id)."""
     slots: torch.Tensor = _column(torch.int64, 0)
     """Each request's block-table row on its owner."""
     q_lens: torch.Tensor = _column(torch.int64, 1)
@@ -81,7 +83,10 @@ class RequestColumns:
 
     @classmethod
     def of(cls, **values: Sequence) -> "RequestColumns":
-        """Columns from one sequence (or iterable) per field, each in its declared dtype."""
+        """Columns from one sequence (or iterable) per field, each in its declared dtype
+        (``noise_ids``, if not given: the request ids)."""
+        if "noise_ids" not in values:
+            values["request_ids"] = values["noise_ids"] = list(values["request_ids"])
         return cls(**{
             f.name: torch.from_numpy(np.array(list(values[f.name]), dtype=_NP[f.metadata["dtype"]]))
             for f in _FIELDS
@@ -359,10 +364,12 @@ def _plan(step, batch, admissions, num_nodes: int, record_logits: bool, feed_pre
     # faster than a list of tuples), then [8, R] int64 and [2, R] float32 rows
     ints = np.array([x for r, toks in zip(batch, pending) for x in (
         r.request_id, r.slot, len(toks), r.num_cached + r.inflight_rows, r.params.top_k, r.params.seed,
-        len(r.generated) + (r.inflight_rows > 0), r.owner)], dtype=np.int64).reshape(-1, 8).T.copy()
+        len(r.generated) + (r.inflight_rows > 0), r.owner,
+        r.request_id if r.params.noise_id is None else r.params.noise_id)],
+        dtype=np.int64).reshape(-1, 9).T.copy()
     floats = np.array([x for r in batch for x in (r.params.temperature, r.params.top_p)],
                       dtype=np.float32).reshape(-1, 2).T.copy()
-    ids, slots, q_lens, start, top_k, seeds, sample_steps, owners = ints
+    ids, slots, q_lens, start, top_k, seeds, sample_steps, owners, noise_ids = ints
     temperature, top_p = floats
     prev = None
     if feed_prev:
@@ -371,7 +378,7 @@ def _plan(step, batch, admissions, num_nodes: int, record_logits: bool, feed_pre
             for i in ((r.inflight_index,) if r.inflight_rows else (-1,) * len(toks))
         )
     per_request = RequestColumns(**{name: torch.from_numpy(col) for name, col in (
-        ("request_ids", ids), ("slots", slots), ("q_lens", q_lens), ("start_pos", start),
+        ("request_ids", ids), ("noise_ids", noise_ids), ("slots", slots), ("q_lens", q_lens), ("start_pos", start),
         ("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seeds", seeds),
         ("sample_steps", sample_steps))})
     return StepPlan(

@@ -1,7 +1,8 @@
 """Per-request sampling: greedy, temperature, top-k, top-p, drawn without host sync.
 
 The draw is a Gumbel-max (exponential race) whose noise comes from a counter-based
-hash of ``(seed, request_id, step, vocab index)``, not from a ``torch.Generator``.
+hash of ``(seed, request_id, step, vocab index)``, not from a ``torch.Generator``
+(``request_id`` is the request's ``SamplingParams.noise_id`` where it has one).
 So a row's token depends only on its own logits and those four numbers: it is the
 same whatever the batch composition or row order, the uniforms are bit-identical on
 CPU and CUDA, and :func:`sample` has fixed shapes, no ``.item()`` and no generator
@@ -51,8 +52,8 @@ class SamplingParams:
     (Megatron: ``top_p=0.0``); ``max_new_tokens`` is Megatron's ``num_tokens_to_generate``,
     ``eos_id`` its ``termination_id``; ``stop_sequences`` are its ``stop_words`` already
     tokenized; ``return_log_probs`` and ``top_n_logprobs`` mean the same (log-probs of the
-    generated tokens under the model's unscaled distribution); ``seed`` has no Megatron
-    counterpart. :mod:`tknp_megatron.serving.megatron_types` converts Megatron's own.
+    generated tokens under the model's unscaled distribution); ``seed`` and ``noise_id`` have
+    no Megatron counterpart. :mod:`tknp_megatron.serving.megatron_types` converts Megatron's own.
 
     ``__post_init__`` rejects bad values of every field except ``max_new_tokens``: the
     engine rejects ``max_new_tokens < 1`` per request with a message naming the request,
@@ -72,6 +73,10 @@ class SamplingParams:
     """Generation stops after this token; None means never."""
     seed: int = 0
     """Seed of the counter-based noise; any int64."""
+    noise_id: Optional[int] = None
+    """The id the noise is keyed by, with ``seed`` and the token's index; None: the request's
+    own id. Requests given the same seed and noise id draw the same tokens from the same
+    logits (an API's seeded request, whose id differs from run to run)."""
     return_log_probs: bool = False
     """Return each generated token's log-prob (log-softmax of the unscaled logits)."""
     top_n_logprobs: int = 0
@@ -103,6 +108,8 @@ class SamplingParams:
             out.append(f"eos_id must be None or in [0, 2**63), got {self.eos_id}")
         if not (_INT64_MIN <= self.seed <= _INT64_MAX):
             out.append(f"seed must fit in int64, got {self.seed}")
+        if self.noise_id is not None and not (_INT64_MIN <= self.noise_id <= _INT64_MAX):
+            out.append(f"noise_id must be None or fit in int64, got {self.noise_id}")
         if self.top_n_logprobs < 0:
             out.append(f"top_n_logprobs must be >= 0, got {self.top_n_logprobs}")
         if self.top_n_logprobs > 0 and not self.return_log_probs:

@@ -194,7 +194,7 @@ def host_inputs(plan: StepPlan, node: int, pin: bool = False) -> HostInputs:
     packed = pack((
         cu, seq_lens, slots, slots[row_req], positions, np.cumsum(q_all) - 1, plan.tokens.numpy(), prev,
         temperature, cols.top_k.numpy(), cols.top_p.numpy(), cols.seeds.numpy(),
-        cols.request_ids.numpy(), cols.sample_steps.numpy()), pin)
+        cols.noise_ids.numpy(), cols.sample_steps.numpy()), pin)
     return HostInputs(
         shape=StepShape(plan.rows_per_owner, plan.requests_per_owner, bool((temperature == 0).all())),
         packed=packed,

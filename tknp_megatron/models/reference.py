@@ -133,7 +133,7 @@ def reference_generate(
                 torch.tensor([p.top_k], device=device),
                 torch.tensor([p.top_p], device=device),
                 torch.tensor([p.seed], device=device),
-                torch.tensor([rid], device=device),
+                torch.tensor([rid if p.noise_id is None else p.noise_id], device=device),
                 torch.tensor([step], device=device),
             )
             tokens.append(int(tok[0]))

@@ -279,11 +279,14 @@ class _FailedAsError:
             # skip_prompt_log_probs at False, which asks for the prompt's as well
             sampling_params.add_attributes(dict(return_prompt_top_n_logprobs=False,
                                                 skip_prompt_log_probs=True))
-        if has_request_context() and not sampling_params.stop_words:
-            # 0.16's endpoints drop the body's stop sequences; 0.17 and later pass them on
-            stop = (request.get_json(silent=True) or {}).get("stop")
-            if stop:
+        if has_request_context():
+            from flask import g
+
+            body = request.get_json(silent=True) or {}
+            stop = body.get("stop")
+            if stop and not sampling_params.stop_words:  # 0.16's endpoints drop it; 0.17+ pass it on
                 sampling_params.add_attributes(dict(stop_words=[stop] if isinstance(stop, str) else list(stop)))
+            _add_seed(sampling_params, body, g)
         future = asyncio.get_running_loop().create_future()
         with self._lock:
             request_id = client.next_request_id
@@ -296,6 +299,38 @@ class _FailedAsError:
             client.request_submission_times[request_id] = time.perf_counter()
             client._loop.call_soon_threadsafe(client.socket.send, message)  # in order: FIFO
         return _raise_if_failed(future)
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+def _add_seed(sampling_params, body: dict, g) -> None:
+    """The body's ``seed``, which Megatron's endpoints drop (its ``SamplingParams`` has no such
+    field), onto the request's ``SamplingParams`` with the index of the choice among the
+    request's (counted on the HTTP request's ``g``): the pool keys the draws' noise by the two,
+    so a seeded request draws what it drew before, and a chat request's ``n`` choices draw
+    apart (:func:`~tknp_megatron.serving.megatron_types.to_engine_request`)."""
+    seed = body.get("seed")
+    if seed is None:
+        return
+    choice = g.get("tknp_choices", 0)
+    g.tknp_choices = choice + 1
+    sampling_params.add_attributes(dict(seed=seed, seed_choice=choice))
+
+
+class _Seeded:
+    """megatron-core 0.17 and later's client for their blueprints: each request with the
+    body's seed (:func:`_add_seed`; the endpoints report failures themselves)."""
+
+    def __init__(self, client):
+        self._client = client
+
+    def add_request(self, prompt, sampling_params, *args, **kwargs):
+        from quart import g, has_request_context
+
+        if has_request_context():
+            _add_seed(sampling_params, g.get("tknp_body") or {}, g)
+        return self._client.add_request(prompt, sampling_params, *args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self._client, name)
@@ -568,14 +603,16 @@ async def _http_main(address: str, tokenizer, host: str, port: int, stop, listen
         from quart import Quart, request
 
         app = Quart("tknp_megatron.serving")
-        app.config["client"] = client  # 0.17+ endpoints report FAILED requests themselves
+        app.config["client"] = _Seeded(client)  # 0.17+ endpoints report FAILED requests themselves
         app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
         app.config["parsers"], app.config["verbose"] = None, False
 
         @app.before_request
         async def _check():
-            return _body_problem(request.method, await request.get_json(force=True, silent=True),
-                                 rules, request.path)
+            from quart import g
+
+            g.tknp_body = body = await request.get_json(force=True, silent=True)
+            return _body_problem(request.method, body, rules, request.path)
 
         @app.after_request
         async def _tokenizer_failures(response):  # see _status_of_failures

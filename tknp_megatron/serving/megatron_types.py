@@ -108,7 +108,10 @@ def to_engine_request(
     0`` is off; ``termination_id`` None is the tokenizer's ``eod`` and -1 is none;
     ``num_tokens_total`` (with ``num_tokens_to_generate`` None: Megatron's engine takes one of
     the two) generates ``num_tokens_total - len(prompt)``, neither up to
-    ``max_sequence_length``; stop words are tokenized without BOS. Prompt log-probs (``return_log_probs`` without
+    ``max_sequence_length``; stop words are tokenized without BOS. ``seed`` (an HTTP body's,
+    which the front end adds, with ``seed_choice``, the index of the choice) keys the draws'
+    noise with the choice's index instead of the request's id, so the same seeded request
+    draws the same tokens again. Prompt log-probs (``return_log_probs`` without
     ``skip_prompt_log_probs``) are refused: a decode pool receives its prompts' KV and
     never computes their logits.
 
@@ -140,6 +143,8 @@ def to_engine_request(
         new_tokens = _optional_int(params, "num_tokens_to_generate")
         total = _optional_int(params, "num_tokens_total")
         termination = _optional_int(params, "termination_id")
+        seed = _optional_int(params, "seed")  # not Megatron's: the front end's (an API's seed)
+        choice = _optional_int(params, "seed_choice") or 0
     except (TypeError, ValueError) as err:
         raise RequestRefused(str(err)) from None
     if new_tokens is not None and total is not None:  # Megatron's engine asserts one of the two
@@ -175,6 +180,8 @@ def to_engine_request(
             return_log_probs=return_log_probs,
             top_n_logprobs=_optional_int(params, "top_n_logprobs") or 0,
             stop_sequences=stop,
+            seed=0 if seed is None else seed,
+            noise_id=None if seed is None else choice,
         )
     except (TypeError, ValueError) as err:
         raise RequestRefused(str(err).replace("invalid SamplingParams: ", "")) from None
