@@ -15,13 +15,15 @@ its server launchers do:
   own ``start_text_gen_server`` starts by default (one in 0.16, four from 0.17, each with
   its own client of the coordinator), all on one port (``SO_REUSEPORT``: the kernel
   spreads connections over them), so a burst of requests is parsed, tokenized and
-  answered in parallel. Two additions: a body that is not a
-  JSON object or has an empty prompt is answered 400 naming that, before the blueprints;
-  and because 0.16's completions endpoint answers a FAILED request with empty text and
-  status 200, its client raises the request's failure reason instead, which the endpoint
-  returns as an error response: 400 for a request refused for what it asks, 500 for one a
-  stop or a failing pool ended, as 0.17 and later answer them (they check the status
-  themselves).
+  answered in parallel. Additions: a body the blueprints would fail on, or take and not
+  act on, is answered 400 naming the field before them (:func:`_body_problem`); because
+  0.16's completions endpoint answers a FAILED request with empty text and status 200, its
+  client raises the request's failure reason instead, which the endpoint returns as an
+  error response: 400 for a request refused for what it asks, 500 for one a stop or a
+  failing pool ended, as 0.17 and later answer them (they check the status themselves);
+  the body's ``stop`` reaches 0.16's requests as later versions pass it on, and its
+  ``seed``, which every version drops, reaches each request with the choice's index
+  (:func:`_add_seed`); 0.16's Flask app runs in :data:`HTTP_THREADS` worker threads.
 
 The helper processes are forks of one server process (:func:`helper_context`) that has
 imported what they run once, so none of them imports Megatron-Core again (seconds of CPU
