@@ -361,7 +361,7 @@ def _plan(step, batch, admissions, num_nodes: int, record_logits: bool, feed_pre
     batch = sorted(batch, key=_owner)  # stable: keeps admission order per owner
     pending = [_PREV if r.inflight_rows else r.pending_tokens() for r in batch]
     # one pass over the requests into flat lists (numpy converts a flat list several times
-    # faster than a list of tuples), then [8, R] int64 and [2, R] float32 rows
+    # faster than a list of tuples), then [9, R] int64 and [2, R] float32 rows
     ints = np.array([x for r, toks in zip(batch, pending) for x in (
         r.request_id, r.slot, len(toks), r.num_cached + r.inflight_rows, r.params.top_k, r.params.seed,
         len(r.generated) + (r.inflight_rows > 0), r.owner,

@@ -420,9 +420,14 @@ class BodyRules:
 def _shown(value) -> str:
     """A value as a one-line message shows it: a long one by its head and its length."""
     text = repr(value)
-    if len(text) <= 40:
-        return text
-    return f"{text[:12]}... ({len(text)} digits)" if isinstance(value, int) else f"{text[:40]}... ({len(text)} characters)"
+    if isinstance(value, int):
+        return _digits(text)
+    return text if len(text) <= 40 else f"{text[:40]}... ({len(text)} characters)"
+
+
+def _digits(number: str) -> str:
+    """A number's digits as a message shows them: over 40, the first 12 and how many."""
+    return number if len(number) <= 40 else f"{number[:12]}... ({len(number)} digits)"
 
 
 def _number_problem(field: str, value, vocab: int) -> Optional[str]:
@@ -463,8 +468,7 @@ def _text_problem(key: str, text: str, ids_below: Optional[int] = None) -> Optio
                 return (f"'{key}' {_shown(text)}: {_shown(word)} is not a token id; Megatron's null "
                         f"tokenizer takes ids in [0, {ids_below}) separated by single spaces")
             if len(word) > 18 or int(word) >= ids_below:  # int() refuses over 4300 digits
-                shown = word if len(word) <= 40 else f"{word[:12]}... ({len(word)} digits)"
-                return f"'{key}': token id {shown} outside the vocabulary [0, {ids_below})"
+                return f"'{key}': token id {_digits(word)} outside the vocabulary [0, {ids_below})"
     return None
 
 

@@ -153,8 +153,8 @@ def decode_plan(batch: int, ctx: int, num_nodes: int, step: int, tokens=None) ->
     z = torch.zeros(batch, dtype=torch.int64)
     toks = torch.arange(batch) % 1000 if tokens is None else tokens.cpu()
     per_request = RequestColumns(
-        request_ids=torch.arange(batch), noise_ids=torch.arange(batch), slots=slots, q_lens=z + 1, start_pos=z + ctx - 1 + step,
-        temperature=z.float(), top_k=z, top_p=z.float() + 1, seeds=z, sample_steps=z + step,
+        request_ids=torch.arange(batch), noise_ids=torch.arange(batch), slots=slots, q_lens=z + 1,
+        start_pos=z + ctx - 1 + step, temperature=z.float(), top_k=z, top_p=z.float() + 1, seeds=z, sample_steps=z + step,
     )
     return StepPlan(
         step=step, admissions=(), per_request=per_request, tokens=toks,
