@@ -63,6 +63,7 @@ CASES = [
     DCPCase(2, "tiny", 1, GRAPHS + ("sampled", "sampled-graph", "graph-aligned")),  # MQA, D = 2
     DCPCase(4, "tiny", 2, GRAPHS),  # Hkv = 2, D = 2 (two DCP groups)
     DCPCase(4, "tiny", 1, GRAPHS + ("sampled-graph",)),  # MQA, D = 4
+    DCPCase(2, "tiny-qk", 1, GRAPHS),  # QK layernorm over a rank's own query heads and its key head
 ]
 
 WAVES = random_prompts(8, 1, 23, 11), (6, 3, 8, 1, 5, 7, 2, 4)

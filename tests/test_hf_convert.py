@@ -112,12 +112,20 @@ _LLAMA = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num
     ({"rope_scaling": {"rope_type": "llama3", "factor": "eight"}}, "rope_scaling factor 'eight': must be a number >= 1"),
     ({"attention_bias": True}, "llama attention_bias True unsupported (Llama's layers have no such biases; Qwen2"),
     ({"model_type": "mistral", "mlp_bias": 1}, "mistral mlp_bias 1 unsupported"),
+    ({"model_type": "qwen3", "attention_bias": True}, "qwen3 attention_bias True unsupported"),
+    ({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]},
+     "qwen3 layer_types with 'sliding_attention' unsupported (full_attention only)"),
+    ({"model_type": "qwen2", "use_sliding_window": True}, "qwen2 use_sliding_window=True unsupported"),
 ], ids=["tanh_gelu", "fractional_theta", "null_key", "string_heads", "odd_head_dim", "string_eps", "zero_eps",
-        "string_rope_scaling", "llama3_factor_0", "llama3_factor_text", "attention_bias", "mlp_bias"])
+        "string_rope_scaling", "llama3_factor_0", "llama3_factor_text", "attention_bias", "mlp_bias",
+        "qwen3_attention_bias", "sliding_layer_types", "sliding_window"])
 def test_hf_llama_config_refused_by_name(change, message):
     from tknp_megatron.models.hf_convert import preset_from_hf_config
 
     assert preset_from_hf_config(_LLAMA).activation.value == "silu"
+    qwen3 = preset_from_hf_config({**_LLAMA, "model_type": "qwen3", "head_dim": 32,
+                                   "layer_types": ["full_attention"] * 2})
+    assert qwen3.qk_layernorm and qwen3.kv_channels == 32 and not preset_from_hf_config(_LLAMA).qk_layernorm
     assert preset_from_hf_config({**_LLAMA, "hidden_act": "gelu"}).activation.value == "gelu"
     with pytest.raises(ValueError, match=re.escape(message)):
         preset_from_hf_config({**_LLAMA, **change})

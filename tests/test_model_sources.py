@@ -49,7 +49,7 @@ def megatron_config_dump(preset) -> dict:
     return out
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-nemotron", "llama3.1-405b", "nemotron4-340b"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-nemotron", "tiny-qk", "llama3.1-405b", "nemotron4-340b"])
 def test_full_transformer_config_round_trips(name):
     preset = get_preset(name)
     dump = megatron_config_dump(preset)
@@ -59,7 +59,7 @@ def test_full_transformer_config_round_trips(name):
 
 
 @pytest.mark.parametrize("key, value", [
-    ("num_moe_experts", 8), ("multi_latent_attention", True), ("qk_layernorm", True),
+    ("num_moe_experts", 8), ("multi_latent_attention", True), ("qk_l2_norm", True),
     ("window_size", [128, 0]), ("rotary_interleaved", True), ("softmax_type", "learnable"),
 ])
 def test_unsupported_features_are_refused_by_name(key, value):
@@ -187,11 +187,13 @@ def _hf_family(folder, family: str, tied: bool):
 
     config_cls, model_cls = {
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
         "mistral": ("MistralConfig", "MistralForCausalLM"),
         "llama": ("LlamaConfig", "LlamaForCausalLM"),
         "llama-gelu": ("LlamaConfig", "LlamaForCausalLM"),
     }[family]
-    extra = {"mistral": {"sliding_window": 4096}, "llama-gelu": {"hidden_act": "gelu"}}.get(family, {})
+    extra = {"mistral": {"sliding_window": 4096}, "llama-gelu": {"hidden_act": "gelu"},
+             "qwen3": {"head_dim": 32}}.get(family, {})  # Qwen3: heads wider than hidden / heads
     cfg = getattr(transformers, config_cls)(
         hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=256, max_position_embeddings=8192, rms_norm_eps=1e-5,
@@ -206,16 +208,20 @@ def _hf_family(folder, family: str, tied: bool):
     return save_and_run(model, folder, 256)
 
 
-@pytest.mark.parametrize("family, tied", [("qwen2", True), ("qwen2", False), ("mistral", False),
+@pytest.mark.parametrize("family, tied", [("qwen2", True), ("qwen2", False), ("qwen3", True), ("mistral", False),
                                           ("llama", True), ("llama-gelu", False)])
 def test_hf_families_match_transformers(tmp_path, family, tied):
-    """Converted Qwen2 (q/k/v biases), Mistral, tied-embedding and GeGLU (``hidden_act``
-    gelu) models give ``transformers``' own fp32 logits through Megatron's GPTModel."""
+    """Converted Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm, head_dim beside the
+    width), Mistral, tied-embedding and GeGLU (``hidden_act`` gelu) models give
+    ``transformers``' own fp32 logits through Megatron's GPTModel."""
     pytest.importorskip("transformers")
     hf_dir, out_dir = tmp_path / "hf", tmp_path / "mcore"
     ids, expected = _hf_family(hf_dir, family, tied)
     logits, preset = spawn(convert_and_run, 1, (str(hf_dir), str(out_dir), ids), timeout_s=120)[0]
     assert preset.add_qkv_bias == (family == "qwen2")
+    assert preset.qk_layernorm == (family == "qwen3")
+    if family == "qwen3":
+        assert preset.kv_channels == 32
     if family == "mistral":
         assert preset.gpt.max_sequence_length == 4096  # the sliding window
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
@@ -234,7 +240,7 @@ def megatron_lm_args(config: dict) -> argparse.Namespace:
         squared_relu=False, add_bias_linear=False, add_qkv_bias=False,
         untie_embeddings_and_output_weights=True, apply_layernorm_1p=False,
         vocab_size=None, padded_vocab_size=256, make_vocab_size_divisible_by=128,
-        num_experts=None, multi_latent_attention=False, qk_layernorm=False,
+        num_experts=None, multi_latent_attention=False, qk_layernorm=config.get("qk_layernorm", False),
         # training-only arguments a real run stores too
         micro_batch_size=4, global_batch_size=256, lr=3e-4, min_lr=3e-5, weight_decay=0.1,
         clip_grad=1.0, adam_beta1=0.9, adam_beta2=0.95, init_method_std=0.02,
@@ -242,6 +248,42 @@ def megatron_lm_args(config: dict) -> argparse.Namespace:
         tensor_model_parallel_size=1, pipeline_model_parallel_size=1, train_iters=1000,
         tokenizer_type="GPT2BPETokenizer", seed=1234, ckpt_format="torch_dist",
     )
+
+
+def test_qwen3_folder_served_gives_transformers_greedy_tokens(tmp_path):
+    """A Qwen3 folder (QK layernorm) through ``--hf`` on 2 nodes x TP 2: the greedy tokens
+    of ``transformers``' own ``generate``, and of Megatron's ``GPTModel`` on the converted
+    weights (the job's reference)."""
+    transformers = pytest.importorskip("transformers")
+    hf_dir = tmp_path / "hf"
+    _hf_family(hf_dir, "qwen3", tied=True)
+    prompts = [[5, 17, 200, 33], [1, 2, 3, 4, 5, 6, 7, 8, 9], [250, 7]]
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    expected = []
+    with torch.no_grad():
+        for ids in prompts:
+            out = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+            expected.append(out[0, len(ids):].tolist())
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    out = tmp_path / "out.json"
+    status, stdout, stderr = run_main_job(
+        "--json", out, "--hf", hf_dir, "--nodes", 2, "--tp", 2, "--output-len", 6,
+        "--prompts-file", tmp_path / "prompts.json", "--block-size", 4)
+    assert status == 0, stdout + stderr
+    report = json.loads(out.read_text())
+    assert report["outputs"] == expected
+    assert report["match_reference"] is True, report
+
+
+def test_megatron_checkpoint_with_qk_layernorm(tmp_path):
+    """Megatron's ``qk_layernorm`` (its q/k norm weights saved at TP 1 by Megatron-Core,
+    Megatron-LM's arguments stored with them) served on 2 nodes x TP 2 against the saved
+    model's own forward."""
+    config = {**TINY, "vocab_size": 256, "qk_layernorm": True}
+    report = _serve(tmp_path, config, 256, nodes=2, tp=2, lm_args=megatron_lm_args(config))
+    assert report["match_reference"] is True, report
+    assert report["completed"] == 6
 
 
 def test_megatron_lm_training_checkpoint(tmp_path):
@@ -269,6 +311,23 @@ def saved(tmp_path_factory):
     return out
 
 
+def test_a_legacy_torch_format_checkpoint_is_refused_naming_megatrons_conversion(tmp_path):
+    """Megatron-LM's per-rank ``--ckpt-format torch`` files (``mp_rank_00/model_optim_rng.pt``):
+    one line saying what they are and how Megatron-LM rewrites them as a distributed checkpoint."""
+    from tknp_megatron.models.source import SourceError, resolve_source
+
+    (tmp_path / "iter_0000010" / "mp_rank_00").mkdir(parents=True)
+    torch.save({"args": megatron_lm_args({**TINY, "vocab_size": 256}), "iteration": 10},
+               tmp_path / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("10")
+    with pytest.raises(SourceError) as err:
+        resolve_source(load=str(tmp_path))
+    message = str(err.value)
+    assert "\n" not in message
+    assert "a legacy 'torch' format checkpoint (mp_rank_00/...)" in message
+    assert "--ckpt-convert-format torch_dist --ckpt-convert-save DIR" in message
+
+
 def _refusal(load, **config) -> str:
     from tknp_megatron.models.source import SourceError, resolve_source
 
@@ -289,9 +348,10 @@ def _refusal(load, **config) -> str:
                                 "the model config needs (4, 384, 64)"),
     (dict(add_bias_linear=True), "no decoder.layers.self_attention.linear_qkv.bias in the checkpoint"),
     (dict(normalization="LayerNorm"), "no decoder.layers.self_attention.linear_qkv.layer_norm_bias in the checkpoint"),
+    (dict(qk_layernorm=True), "no decoder.layers.self_attention.q_layernorm.weight in the checkpoint"),
     (dict(share_embeddings_and_output_weights=True),
      "the checkpoint holds a separate output_layer.weight, but the model config ties the output layer"),
-], ids=["hidden", "layers", "groups", "ffn", "biases", "layer_norm", "tied"])
+], ids=["hidden", "layers", "groups", "ffn", "biases", "layer_norm", "qk_layernorm", "tied"])
 def test_a_config_that_does_not_fit_the_checkpoint_is_refused_before_any_rank(saved, change, message):
     """Read from the checkpoint's metadata in the launcher: a config whose shapes, biases,
     norms or tying differ from the stored tensors (served, it would fail in every rank, or,
@@ -440,7 +500,10 @@ def test_a_stored_tensor_of_a_feature_the_config_lacks_is_refused(saved):
     ignored = {"optimizer.state.exp_avg.decoder.layers.mlp.linear_fc2.weight": (4, 64, 160),
                "decoder.layers.self_attention.core_attention._extra_state": (4,)}
     assert _layout_problems({**stored, **ignored}, preset) == []
-    for key, shape in (("embedding.position_embeddings.weight", (512, 64)),
-                       ("decoder.layers.self_attention.q_layernorm.weight", (4, 16))):
-        (problem,) = _layout_problems({**stored, key: shape}, preset)
-        assert problem.startswith(f"the checkpoint holds {key} {shape}, which a model of this config does not have")
+    key, shape = "embedding.position_embeddings.weight", (512, 64)
+    (problem,) = _layout_problems({**stored, key: shape}, preset)
+    assert problem.startswith(f"the checkpoint holds {key} {shape}, which a model of this config does not have")
+    key, shape = "decoder.layers.self_attention.q_layernorm.weight", (4, 16)  # a feature the config can turn on
+    (problem,) = _layout_problems({**stored, key: shape}, preset)
+    assert problem == (f"the checkpoint holds {key} {shape}, which the model config does not have "
+                       "(add_bias_linear, add_qkv_bias, normalization, qk_layernorm)")

@@ -187,6 +187,7 @@ def _scenarios():
         # tight budget (40 tokens a node, 192 reserved in all): several waves even on 4 nodes
         Scenario("llama-waves", "tiny", mixed, max_new, kv_tokens_per_node=40),
         Scenario("nemotron-waves", "tiny-nemotron", mixed, max_new, kv_tokens_per_node=40),
+        Scenario("qk-norm-waves", "tiny-qk", mixed, max_new, kv_tokens_per_node=40),
         # 3 requests, roomy cache: with 4 nodes one node owns nothing
         Scenario("llama-few", "tiny", few, (5, 5, 5), kv_tokens_per_node=400),
         Scenario("llama-ingest", "tiny", mixed[:6], max_new[:6], kv_tokens_per_node=96, ingest=True),

@@ -102,6 +102,9 @@ class ModelPreset:
         layernorm_epsilon: norm epsilon.
         add_bias_linear: biases on the linear layers.
         add_qkv_bias: biases on the QKV projection only (Qwen2); implied by add_bias_linear.
+        qk_layernorm: each query and key head normalized over its ``d_h`` channels (the
+            layer's norm type) after the QKV projection, before RoPE (Megatron's
+            ``qk_layernorm``; Qwen3).
         gpt: ``GPTModel`` arguments (RoPE, vocabulary, tying).
         init_std: std of the seeded random weights when no checkpoint is loaded.
     """
@@ -121,6 +124,7 @@ class ModelPreset:
     layernorm_epsilon: float = 1e-5
     add_bias_linear: bool = False
     add_qkv_bias: bool = False
+    qk_layernorm: bool = False
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
@@ -198,6 +202,7 @@ class ModelPreset:
             activation_func=self.activation.fn(),
             add_bias_linear=self.add_bias_linear,
             add_qkv_bias=self.add_qkv_bias,
+            qk_layernorm=self.qk_layernorm,
             tensor_model_parallel_size=tensor_model_parallel_size,
             params_dtype=params_dtype,
             bf16=params_dtype == torch.bfloat16,
@@ -235,6 +240,8 @@ class ModelPreset:
         d = self.hidden_size
         per_norm = 2 * d if self.normalization == "LayerNorm" else d
         out = {"input_layernorm": per_norm, "pre_mlp_layernorm": per_norm}
+        if self.qk_layernorm:  # one norm for the query heads, one for the key heads, over d_h
+            out["qk_layernorm"] = 2 * (per_norm // d) * self.kv_channels
         if self.add_bias_linear:
             fc1_out = 2 * self.ffn_hidden_size if self.gated else self.ffn_hidden_size
             out["biases"] = self.qkv_width + d + fc1_out + d
@@ -294,6 +301,19 @@ PRESETS: Dict[str, ModelPreset] = {
         ffn_hidden_size=160,
         init_std=0.1,
         gpt=GPTArgs(vocab_size=512, max_sequence_length=1024, rotary_base=10000),
+    ),
+    # Tests: Qwen3-style (QK layernorm; a head dim of 32 beside a width of 64 over 4 heads).
+    "tiny-qk": ModelPreset(
+        name="tiny-qk",
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        kv_channels=32,
+        ffn_hidden_size=160,
+        qk_layernorm=True,
+        init_std=0.1,
+        gpt=GPTArgs(vocab_size=512, max_sequence_length=1024, rotary_base=1000000),
     ),
     # Tests: Nemotron-style (squared ReLU, non-gated, LayerNorm1p, rotary_percent 0.5).
     "tiny-nemotron": ModelPreset(

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from tknp_megatron.executor.dense_fusion import DenseFusion
 
-__all__ = ["dense_rows", "pad_rows", "qkv_projection", "finish_layer", "vocab_logits"]
+__all__ = ["dense_rows", "pad_rows", "qkv_projection", "qk_layernorm_", "finish_layer", "vocab_logits"]
 
 
 def dense_rows(rows: int, align: int) -> int:
@@ -41,12 +41,31 @@ def pad_rows(x: torch.Tensor, align: int) -> torch.Tensor:
 
 
 def qkv_projection(block, hidden: torch.Tensor, fusion: Optional[DenseFusion] = None) -> torch.Tensor:
-    """``[rows, 1, D]`` -> ``[rows, qkv_width / T]`` (this TP rank's fused QKV columns)."""
+    """``[rows, 1, D]`` -> ``[rows, qkv_width / T]`` (this TP rank's fused QKV columns),
+    query and key heads normalized where the model has QK layernorm."""
     if fusion is not None:
         qkv = fusion.qkv(block, hidden)
     else:
         qkv, _ = block.self_attention.linear_qkv(block.input_layernorm(hidden))
-    return qkv.view(hidden.shape[0], qkv.shape[-1])
+    qkv = qkv.view(hidden.shape[0], qkv.shape[-1])
+    cfg = block.config
+    if cfg.qk_layernorm:  # a rank holds Hkv / T query groups, or one (T > Hkv, and DCP's ranks)
+        qk_layernorm_(block.self_attention, qkv, max(1, cfg.num_query_groups // cfg.tensor_model_parallel_size))
+    return qkv
+
+
+def qk_layernorm_(attention, qkv: torch.Tensor, groups: int) -> torch.Tensor:
+    """Megatron's QK layernorm, in place: ``qkv`` ``[rows, groups * (P + 2) * d]`` holds per
+    query group its ``P`` query heads, its key head and its value head (``d`` channels
+    each; a DCP rank's one group of its own query heads alike); ``attention.q_layernorm``
+    normalizes every query head and ``attention.k_layernorm`` every key head over their
+    ``d`` channels, as Megatron does after the projection and before RoPE."""
+    d = attention.hidden_size_per_attention_head
+    heads = qkv.view(qkv.shape[0], groups, -1, d)  # [rows, groups, P + 2, d]
+    per_group = heads.shape[2] - 2
+    heads[:, :, :per_group] = attention.q_layernorm(heads[:, :, :per_group].contiguous())
+    heads[:, :, per_group] = attention.k_layernorm(heads[:, :, per_group].contiguous())
+    return qkv
 
 
 def finish_layer(block, attn: torch.Tensor, residual: torch.Tensor,

@@ -64,6 +64,12 @@ def resolve_checkpoint_dir(ckpt_dir: PathLike) -> Path:
             raise ValueError(f"{tracker}: holds {it[:40]!r}, not an iteration number or 'release'")
         path = path / ("release" if it == "release" else f"iter_{int(it):07d}")
     if not (path / "metadata.json").exists():
+        legacy = sorted(p.name for p in path.glob("mp_rank_*")) if path.is_dir() else []
+        if legacy:  # Megatron-LM's per-rank `--ckpt-format torch` files
+            raise FileNotFoundError(
+                f"{path}: a legacy 'torch' format checkpoint ({legacy[0]}/...), not a distributed one; "
+                "Megatron-LM rewrites it: its training script with the run's arguments plus "
+                "--ckpt-convert-format torch_dist --ckpt-convert-save DIR")
         raise FileNotFoundError(f"{path}: not a Megatron distributed checkpoint (no metadata.json)")
     return path
 
@@ -282,6 +288,7 @@ def _layout_problems(stored: Dict[str, tuple], preset) -> List[str]:
     L, h = preset.num_layers, preset.hidden_size
     fc1 = preset.ffn_hidden_size * (2 if preset.gated else 1)
     layer_norm = preset.normalization == "LayerNorm"
+    d, qk = preset.kv_channels, preset.qk_layernorm
     # (names it may be stored under, shape, whether the model has it)
     tensors = [
         (("self_attention.linear_qkv.weight",), (L, preset.qkv_width, h), True),
@@ -296,6 +303,10 @@ def _layout_problems(stored: Dict[str, tuple], preset) -> List[str]:
         (("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"), (L, h), True),
         (("self_attention.linear_qkv.layer_norm_bias", "input_layernorm.bias"), (L, h), layer_norm),
         (("mlp.linear_fc1.layer_norm_bias", "pre_mlp_layernorm.bias"), (L, h), layer_norm),
+        (("self_attention.q_layernorm.weight",), (L, d), qk),
+        (("self_attention.k_layernorm.weight",), (L, d), qk),
+        (("self_attention.q_layernorm.bias",), (L, d), qk and layer_norm),
+        (("self_attention.k_layernorm.bias",), (L, d), qk and layer_norm),
     ]
     entries = [(tuple(_LAYER + n for n in names), shape, wanted) for names, shape, wanted in tensors]
     entries += [(("decoder.final_layernorm.weight",), (h,), True),
@@ -305,7 +316,7 @@ def _layout_problems(stored: Dict[str, tuple], preset) -> List[str]:
     for key in sorted(stored):
         if key not in known and not key.endswith(_IGNORED_SUFFIXES) and not key.startswith(_IGNORED_PREFIXES):
             out.append(f"the checkpoint holds {key} {stored[key]}, which a model of this config does not have "
-                       "(learned position embeddings, q/k layernorm, ... are not served): served without "
+                       "(learned position embeddings, ... are not served): served without "
                        "it, the tokens would be another model's")
     for names, shape, wanted in entries:
         found = [n for n in names if n in stored]
@@ -313,7 +324,7 @@ def _layout_problems(stored: Dict[str, tuple], preset) -> List[str]:
             out.append(f"no {names[0]} in the checkpoint (the model config needs {shape})")
         elif found and not wanted:
             out.append(f"the checkpoint holds {found[0]} {stored[found[0]]}, which the model config does not "
-                       "have (add_bias_linear, add_qkv_bias, normalization)")
+                       "have (add_bias_linear, add_qkv_bias, normalization, qk_layernorm)")
         elif found and stored[found[0]] != shape:
             out.append(f"{found[0]} is {stored[found[0]]} in the checkpoint; the model config needs {shape}")
     tied = preset.gpt.share_embeddings_and_output_weights

@@ -1,7 +1,7 @@
-"""Hugging Face Llama / Mistral / Qwen2 / Nemotron safetensors -> Megatron ``GPTModel`` dist checkpoint.
+"""Hugging Face Llama / Mistral / Qwen2 / Qwen3 / Nemotron safetensors -> Megatron ``GPTModel`` dist checkpoint.
 
 :func:`convert_hf_to_dist_checkpoint` dispatches on ``config.json``'s ``model_type``:
-``llama``, ``mistral`` and ``qwen2`` (Llama's mapping) or ``nemotron``
+``llama``, ``mistral``, ``qwen2`` and ``qwen3`` (Llama's mapping) or ``nemotron``
 (``NemotronForCausalLM``, e.g. Nemotron-4 340B). Keys below are local-spec
 ``GPTModel.state_dict()`` keys; ``L`` = layer index. (Over 350 lines: the key tables of each
 family live here, beside the code that applies them.)
@@ -9,8 +9,11 @@ family live here, beside the code that applies them.)
 Mistral is Llama's layers; a ``sliding_window`` caps the served sequence length at the
 window, within which attention is the same as full attention. Qwen2 adds q/k/v biases,
 fused into ``linear_qkv.bias`` grouped per KV head like the weights (Megatron's
-``add_qkv_bias``). Tied embeddings (``tie_word_embeddings``) are untied: the output layer
-gets a copy of the embedding.
+``add_qkv_bias``). Qwen3 adds an RMSNorm over each query head's and each key head's
+channels after the projection, before RoPE (``self_attn.q_norm`` / ``k_norm``, one weight of
+``head_dim`` shared by the heads): Megatron's ``qk_layernorm``, whose
+``self_attention.q_layernorm`` / ``k_layernorm`` weights they copy to. Tied embeddings
+(``tie_word_embeddings``) are untied: the output layer gets a copy of the embedding.
 
 Llama:
 
@@ -96,7 +99,7 @@ __all__ = [
 ]
 
 PathLike = Union[str, os.PathLike]
-LLAMA_FAMILY = ("llama", "mistral", "qwen2")  # Llama's mapping; Qwen2 adds QKV biases
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")  # Llama's mapping; Qwen2 adds QKV biases, Qwen3 QK norms
 SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "nemotron")
 
 
@@ -126,7 +129,8 @@ _LLAMA_ACTIVATIONS = {"silu": Activation.SILU, "swish": Activation.SILU, "gelu":
 
 def _llama_preset(cfg: Dict, name: str, model_type: str = "llama") -> ModelPreset:
     """Llama, Mistral (Llama's layers; a sliding window caps the served length, within which
-    attention is exact) and Qwen2 (Llama's layers plus q/k/v biases)."""
+    attention is exact), Qwen2 (Llama's layers plus q/k/v biases) and Qwen3 (Llama's layers
+    plus an RMSNorm over each query and key head: Megatron's ``qk_layernorm``)."""
     scaling = _rope_scaling(cfg)
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in ("default", "llama3"):
@@ -143,6 +147,11 @@ def _llama_preset(cfg: Dict, name: str, model_type: str = "llama") -> ModelPrese
                              f"such biases{'; Qwen2 has q/k/v biases without the key' if key == 'attention_bias' else ''})")
     if cfg.get("use_sliding_window"):
         raise ValueError(f"{model_type} use_sliding_window=True unsupported (full attention only)")
+    kinds = cfg.get("layer_types")
+    if kinds is not None and model_type != "mistral" and (
+            not isinstance(kinds, list) or any(kind != "full_attention" for kind in kinds)):
+        other = next((k for k in kinds if k != "full_attention"), None) if isinstance(kinds, list) else kinds
+        raise ValueError(f"{model_type} layer_types with {other!r} unsupported (full_attention only)")
     missing = [key for key in _LLAMA_REQUIRED if key not in cfg]
     if missing:
         raise ValueError(f"config.json lacks required keys {missing} (model_type {model_type!r})")
@@ -171,6 +180,7 @@ def _llama_preset(cfg: Dict, name: str, model_type: str = "llama") -> ModelPrese
         normalization="RMSNorm",
         layernorm_epsilon=_config_float(cfg, "rms_norm_eps", 1e-6, low=0.0, above=True),
         add_qkv_bias=model_type == "qwen2",
+        qk_layernorm=model_type == "qwen3",
         gpt=GPTArgs(
             vocab_size=cfg["vocab_size"],
             max_sequence_length=max_len,
@@ -324,6 +334,9 @@ def llama_state_dict(hf: Dict[str, torch.Tensor], preset: ModelPreset, padded_vo
         mlp = src + "mlp."
         out[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"]
         out[dst + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"]
+        if preset.qk_layernorm:
+            for p in "qk":
+                out[dst + f"self_attention.{p}_layernorm.weight"] = hf[src + f"self_attn.{p}_norm.weight"]
         out[dst + "mlp.linear_fc1.weight"] = torch.cat(
             [hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]]
         )
@@ -429,7 +442,7 @@ def _model_config(p: ModelPreset, dtype: torch.dtype) -> Dict:
         num_attention_heads=p.num_attention_heads, num_query_groups=p.num_query_groups,
         kv_channels=p.kv_channels, ffn_hidden_size=p.ffn_hidden_size,
         normalization=p.normalization, gated_linear_unit=p.gated,
-        add_bias_linear=p.add_bias_linear, add_qkv_bias=p.add_qkv_bias,
+        add_bias_linear=p.add_bias_linear, add_qkv_bias=p.add_qkv_bias, qk_layernorm=p.qk_layernorm,
         layernorm_zero_centered_gamma=p.zero_centered_gamma,
         layernorm_epsilon=p.layernorm_epsilon, activation=p.activation.value,
         vocab_size=p.gpt.vocab_size, max_sequence_length=p.gpt.max_sequence_length,

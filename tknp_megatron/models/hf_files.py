@@ -134,6 +134,8 @@ def expected_shapes(model_type: str, preset: ModelPreset) -> Dict[str, Tuple[int
                        attn + "v_proj.weight": (kv, h), attn + "o_proj.weight": (h, q)})
         if preset.add_qkv_bias:
             shapes.update({attn + "q_proj.bias": (q,), attn + "k_proj.bias": (kv,), attn + "v_proj.bias": (kv,)})
+        if preset.qk_layernorm:  # Qwen3: one RMSNorm over every query head's channels, one over every key head's
+            shapes.update({attn + "q_norm.weight": (preset.kv_channels,), attn + "k_norm.weight": (preset.kv_channels,)})
         for norm in ("input_layernorm.", "post_attention_layernorm."):
             shapes[layer + norm + "weight"] = (h,)
             if nemotron:

@@ -55,15 +55,21 @@ def layer_spec(preset: ModelPreset, use_te: bool = False, te_fused_mlp: bool = F
     """Megatron's GPT layer spec for ``preset``: TE spec when asked, else the local spec.
 
     TE's fused norm + linear layers read the norm type and zero-centred gamma from the
-    config. The local spec's torch norms refuse zero-centred gamma, so for such presets both
-    the input and pre-MLP norms become :class:`ZeroCenteredNorm`.
+    config. The local spec's torch norms refuse zero-centred gamma, so for such presets the
+    input, pre-MLP and (with ``qk_layernorm``) query and key norms become
+    :class:`ZeroCenteredNorm`.
     """
+    qk = preset.qk_layernorm
     if use_te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(use_te_op_fuser=te_fused_mlp)
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=preset.normalization)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=qk, use_te_op_fuser=te_fused_mlp)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=preset.normalization, qk_layernorm=qk)
     if preset.zero_centered_gamma:
         spec.submodules.input_layernorm = ZeroCenteredNorm
         spec.submodules.pre_mlp_layernorm = ZeroCenteredNorm
+        if qk:
+            attention = spec.submodules.self_attention.submodules
+            attention.q_layernorm = attention.k_layernorm = ZeroCenteredNorm
     return spec
 
 

@@ -8,7 +8,7 @@ Every ``TransformerConfig`` field and ``GPTModel`` argument is accepted. Those t
 the served model map onto the preset; those that only matter for training or for kernels
 (dropout, initialisation, fusions, parallel sizes, recomputation, ...) are accepted and
 ignored; architecture features this library does not serve (mixture of experts,
-multi-latent attention, QK layernorm, sliding windows, ...) are refused by name with the
+multi-latent attention, QK L2 norm, sliding windows, ...) are refused by name with the
 value found, before any process starts. A key that is neither is a typo and is refused.
 """
 
@@ -37,7 +37,6 @@ __all__ = [
 _UNSUPPORTED: Tuple[Tuple[str, str, str, Any], ...] = (
     ("mixture of experts", "num_moe_experts", "num_experts", None),
     ("multi-latent attention", "multi_latent_attention", "multi_latent_attention", False),
-    ("QK layernorm", "qk_layernorm", "qk_layernorm", False),
     ("QK L2 norm", "qk_l2_norm", "qk_l2_norm", False),
     ("interleaved RoPE", "rotary_interleaved", "rotary_interleaved", False),
     ("sliding-window attention", "window_size", "window_size", None),
@@ -69,6 +68,7 @@ _DEFAULTS: Dict[str, Any] = {
     "gated_linear_unit": False,
     "add_bias_linear": True,
     "add_qkv_bias": False,
+    "qk_layernorm": False,
     "layernorm_zero_centered_gamma": False,
     "layernorm_epsilon": 1e-5,
     "position_embedding_type": "rope",
@@ -86,8 +86,8 @@ _DEFAULTS: Dict[str, Any] = {
 _REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_sequence_length")
 # The type each key that maps onto the preset must have in the JSON (optional ones may be null).
 _POSITIVE_INTS = (*_REQUIRED, "num_query_groups", "kv_channels", "ffn_hidden_size")
-_BOOLS = ("gated_linear_unit", "add_bias_linear", "add_qkv_bias", "layernorm_zero_centered_gamma",
-          "rope_scaling", "share_embeddings_and_output_weights")
+_BOOLS = ("gated_linear_unit", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
+          "layernorm_zero_centered_gamma", "rope_scaling", "share_embeddings_and_output_weights")
 _POSITIVE_NUMBERS = ("layernorm_epsilon", "rotary_percent", "rotary_base", "rope_scaling_factor")
 _ALIASES = {"squared_relu": "squared_relu", "relu2": "squared_relu", "silu": "silu", "swish": "silu",
             "gelu": "gelu"}
@@ -213,6 +213,7 @@ def preset_from_model_config(cfg: Mapping[str, Any]) -> ModelPreset:
         layernorm_epsilon=float(c["layernorm_epsilon"]),
         add_bias_linear=bool(c["add_bias_linear"]),
         add_qkv_bias=bool(c["add_qkv_bias"]),
+        qk_layernorm=bool(c["qk_layernorm"]),
         init_std=float(c["init_method_std"]),
         gpt=GPTArgs(
             vocab_size=c["vocab_size"],
@@ -268,7 +269,8 @@ def params_dtype(c: Mapping[str, Any]) -> torch.dtype:
 _MEGATRON_LM_DEFAULTS = {
     "normalization": "LayerNorm", "norm_epsilon": 1e-5, "rotary_percent": 1.0, "rotary_base": 10000,
     "swiglu": False, "group_query_attention": False, "num_query_groups": 1, "kv_channels": None,
-    "ffn_hidden_size": None, "add_bias_linear": True, "add_qkv_bias": False, "apply_layernorm_1p": False,
+    "ffn_hidden_size": None, "add_bias_linear": True, "add_qkv_bias": False, "qk_layernorm": False,
+    "apply_layernorm_1p": False,
     "squared_relu": False, "untie_embeddings_and_output_weights": False, "use_rope_scaling": False,
     "rope_scaling_factor": 8.0, "position_embedding_type": "rope",
 }
@@ -311,6 +313,7 @@ def preset_from_checkpoint_args(args: Any, name: str = "checkpoint") -> ModelPre
         layernorm_epsilon=arg("norm_epsilon"),
         add_bias_linear=bool(arg("add_bias_linear")),
         add_qkv_bias=bool(arg("add_qkv_bias")),
+        qk_layernorm=bool(arg("qk_layernorm")),
         gpt=GPTArgs(
             vocab_size=_unpadded_vocab(args),
             max_sequence_length=args.max_position_embeddings,

@@ -124,7 +124,7 @@ _UNREADABLE = (OSError, ValueError, KeyError, RuntimeError, EOFError, ImportErro
 
 def _one_line(err: BaseException) -> str:
     text = " ".join(str(err).split()) or type(err).__name__
-    return text if len(text) <= 300 else text[:297] + "..."
+    return text if len(text) <= 400 else text[:397] + "..."
 
 
 def _checkpoint_rows(ckpt: str, preset: ModelPreset) -> int:
@@ -154,7 +154,7 @@ def _checkpoint_rows(ckpt: str, preset: ModelPreset) -> int:
 # between a --model-config and the arguments Megatron-LM stored with the checkpoint.
 _ARGS_COMPARED = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
                   "ffn_hidden_size", "gated", "activation", "normalization", "zero_centered_gamma",
-                  "layernorm_epsilon", "add_bias_linear", "add_qkv_bias")
+                  "layernorm_epsilon", "add_bias_linear", "add_qkv_bias", "qk_layernorm")
 _GPT_ARGS_COMPARED = ("position_embedding_type", "rotary_percent", "rotary_base", "rope_scaling",
                       "rope_scaling_factor", "share_embeddings_and_output_weights")
 
