@@ -36,7 +36,7 @@ def reference(tmp_path_factory, worker_id):
 # The files that take longest on a 2-core machine (each 1.5-3 minutes in a run of
 # 2026-12-03), run first: `make test` spreads whole files over two processes, and a long
 # file that starts last keeps one process busy after the other has finished.
-SLOW_FIRST = ("test_dcp.py", "test_server_megatron_0_19.py", "test_trained_model.py", "test_multi_host.py", "test_attention_triton.py",
+SLOW_FIRST = ("test_dcp.py", "test_megatron_versions.py", "test_trained_model.py", "test_multi_host.py", "test_attention_triton.py",
               "test_server.py", "test_tknp_decode.py")
 
 

@@ -276,6 +276,30 @@ def test_qwen3_folder_served_gives_transformers_greedy_tokens(tmp_path):
     assert report["match_reference"] is True, report
 
 
+def test_a_training_checkpoint_megatron_core_0_19_wrote_is_served(tmp_path):
+    """From megatron-core 0.19 a checkpoint keeps Megatron-LM's arguments among its
+    distributed files (``common_state``), not in ``common.pt``: one saved by 0.19.2 (at TP 2,
+    in Megatron-LM's layout) serves with no --model-config on the installed version."""
+    from tests.test_megatron_versions import megatron_env
+
+    config = {**TINY, "vocab_size": 256}
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save = ("import json, sys; from tknp_megatron.launch import spawn; "
+            "from tests.test_model_sources import save_worker, megatron_lm_args; "
+            "c = json.loads(sys.argv[1]); spawn(save_worker, 2, (c, 256, sys.argv[2], megatron_lm_args(c)), timeout_s=120)")
+    proc = subprocess.run([sys.executable, "-c", save, json.dumps(config), str(ckpt)], env=megatron_env("0.19.2"),
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not list(ckpt.rglob("common.pt")) and (ckpt / "iter_0001000" / "metadata.json").is_file()
+    out = tmp_path / "out.json"
+    status, stdout, stderr = run_main_job("--json", out, "--load", ckpt, "--nodes", 2, "--tp", 1, "--requests", 6,
+                                          "--output-len", 5, "--prompt-len", 3, 12, "--block-size", 4)
+    assert status == 0, stdout + stderr
+    report = json.loads(out.read_text())
+    assert report["match_reference"] is True and report["completed"] == 6, report
+
+
 def test_megatron_checkpoint_with_qk_layernorm(tmp_path):
     """Megatron's ``qk_layernorm`` (its q/k norm weights saved at TP 1 by Megatron-Core,
     Megatron-LM's arguments stored with them) served on 2 nodes x TP 2 against the saved

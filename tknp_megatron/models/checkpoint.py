@@ -10,7 +10,8 @@ with exactly those keys, but only for its own blocks and TP shard, so
 The load may also run in rounds of a few layers (:mod:`tknp_megatron.models.layer_rounds`):
 how FP8-stored layers are filled, through one-layer staging copies in the run's dtype.
 
-Also here: reading Megatron-LM's stored training args (``common.pt``); turning them (or a
+Also here: reading Megatron-LM's stored training args (the common state: ``common.pt``, or
+from megatron-core 0.19 an object among the distributed files); turning them (or a
 ``--model-config`` file) into a preset is :mod:`tknp_megatron.models.model_config`.
 """
 
@@ -85,7 +86,7 @@ def _drop_extra_state(sd: Dict) -> Dict:
 
 
 def _model_nesting(path: Path) -> bool:
-    """Megatron-LM nests the model under ``"model"`` (with ``args`` in ``common.pt``)."""
+    """Megatron-LM nests the model under ``"model"`` (with ``args`` in the common state)."""
     common = _load_common(path)
     return isinstance(common, dict) and ("model" in common or "args" in common)
 
@@ -143,12 +144,7 @@ def _load_into(model: torch.nn.Module, path: Path, nested: bool) -> None:
         lambda x: x.local_shape if isinstance(x, ShardedTensor) else None, request)
     dict_list_map_inplace(_explicit_layer_axes, request)
     sharded = {"model": request} if nested else request
-    # No access-integrity check: it asserts every shard is read once as a main replica,
-    # true of a whole training job but not of a decode pool (node replicas, partial reads).
-    loaded = dist_checkpointing.load(
-        sharded, str(path), validate_access_integrity=False,
-        strict=StrictHandling.ASSUME_OK_UNEXPECTED,
-    )
+    loaded = _load_tensors(sharded, path)
     state = loaded["model"] if nested else loaded
     state = {k: _local_view(state[k], shapes[k]) for k in request}
     state = apply_factory_merges(state, factories)
@@ -158,6 +154,28 @@ def _load_into(model: torch.nn.Module, path: Path, nested: bool) -> None:
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     if missing:
         raise RuntimeError(f"{path}: parameters not in the checkpoint: {missing}")
+
+
+def _load_tensors(sharded: Dict, path: Path) -> Dict:
+    """``dist_checkpointing.load`` of ``sharded`` (tensors only). A checkpoint that keeps its
+    common state among its distributed files (saved by megatron-core 0.19 or later: no
+    ``common.pt``) goes through Megatron's loading strategy alone where the installed
+    megatron-core is older, whose ``load`` would first read ``common.pt``; the tensors do
+    not need that state."""
+    if (path / "common.pt").exists() or _megatron_version() >= (0, 19):
+        # No access-integrity check: it asserts every shard is read once as a main replica,
+        # true of a whole training job but not of a decode pool (node replicas, partial reads).
+        return dist_checkpointing.load(sharded, str(path), validate_access_integrity=False,
+                                       strict=StrictHandling.ASSUME_OK_UNEXPECTED)
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+    return TorchDistLoadShardedStrategy().load(sharded, str(path))
+
+
+def _megatron_version() -> tuple:
+    from megatron.core import __version__
+
+    return tuple(int(p) for p in __version__.split(".")[:2])
 
 
 def _explicit_layer_axes(st: ShardedTensor) -> ShardedTensor:
@@ -342,14 +360,39 @@ def _layout_problems(stored: Dict[str, tuple], preset) -> List[str]:
 
 
 def _load_common(path: Path) -> Any:
+    """The checkpoint's common (non-sharded) state: ``common.pt`` (megatron-core up to 0.18),
+    or the ``common_state`` object saved among the distributed files (0.19 and later), read
+    as Megatron's ``load_common_state_dict`` reads it; None where it has neither."""
     common = path / "common.pt"
-    if not common.exists():
-        return None
     # Megatron-LM pickles argparse.Namespace (and enums) here: only load trusted checkpoints.
     try:
-        return torch.load(common, map_location="cpu", weights_only=False)
+        if common.exists():
+            return torch.load(common, map_location="cpu", weights_only=False)
+        return _embedded_common(path)
     except Exception as err:  # a damaged file: whatever unpickling raises
-        raise ValueError(f"{common}: does not load ({type(err).__name__}: {err})") from None
+        where = common if common.exists() else f"{path}: its common_state"
+        raise ValueError(f"{where}: does not load ({type(err).__name__}: {err})") from None
+
+
+def _embedded_common(path: Path) -> Any:
+    import io
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    key = ShardedObject("common_state", None, (1,), (0,)).unique_key
+    reader = dcp.FileSystemReader(str(path))
+    if key not in reader.read_metadata().state_dict_metadata:
+        return None
+    state = {key: io.BytesIO()}
+    with warnings.catch_warnings():  # torch's note that it reads in one process: as asked
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    loaded = state[key]  # torch may hand back the bytes, or already what they unpickle to
+    if isinstance(loaded, io.BytesIO):
+        loaded.seek(0)
+        loaded = torch.load(loaded, map_location="cpu", weights_only=False)
+    return loaded[0]
 
 
 def read_checkpoint_args(ckpt_dir: PathLike) -> Optional[Any]:

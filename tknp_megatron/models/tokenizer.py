@@ -196,9 +196,9 @@ def server_tokenizer(folder: Optional[PathLike], vocab_size: int):
         return Tokenizer(folder)
     from megatron.core.tokenizers import MegatronTokenizer
 
-    # megatron-core 0.17+ names it "null-text" and counts the eod in vocab_size; 0.16
-    # names it "null" and adds the eod after vocab_size ids
-    for library, size in (("null-text", vocab_size), ("null", vocab_size - 1)):
+    # megatron-core 0.18+ names it "null-text" and counts the eod in vocab_size; 0.17 names
+    # it so and adds the eod after vocab_size ids, as 0.16 does, which names it "null"
+    for library, size in (("null-text", vocab_size), ("null-text", vocab_size - 1), ("null", vocab_size - 1)):
         try:
             tokenizer = MegatronTokenizer.from_pretrained(metadata_path={"library": library}, vocab_size=size)
         except (AssertionError, KeyError, ValueError, AttributeError):
