@@ -45,7 +45,8 @@ def random_prompts(n: int, lo: int, hi: int, seed: int, vocab: int = 512) -> tup
 def assert_matches_reference(results, reference, logits: bool = True) -> None:
     """Each engine result completed with its reference's tokens and, with ``logits``, its
     logits within 1e-4 (fp32); log-probs, where returned, equal the reference's
-    log-softmax at each token within 1e-4, and its top tokens."""
+    log-softmax at each token within 1e-4, and its top tokens; so do the prompt's, where
+    the reference computed them."""
     for res, exp in zip(results, reference):
         assert res.status.value == "completed", res.reject_reason
         assert res.tokens == exp.tokens, f"request {res.request_id} on node {res.owner}"
@@ -60,6 +61,18 @@ def assert_matches_reference(results, reference, logits: bool = True) -> None:
                 top = torch.topk(lp, n)
                 assert [[i for i, _ in row] for row in res.top_log_probs] == top.indices.tolist()
                 torch.testing.assert_close(torch.tensor([[v for _, v in row] for row in res.top_log_probs]),
+                                           top.values, atol=1e-4, rtol=0)
+        if exp.prompt_logits is not None:  # the prompt's log-probs: the reference's at each next prompt token
+            lp = torch.log_softmax(exp.prompt_logits.float(), -1)
+            want = lp.gather(1, torch.tensor(res.prompt_tokens[1:])[:, None])[:, 0]
+            assert res.prompt_log_probs is not None and len(res.prompt_log_probs) == len(res.prompt_tokens) - 1
+            torch.testing.assert_close(torch.tensor(res.prompt_log_probs), want, atol=1e-4, rtol=0)
+            if res.top_log_probs is not None:  # top tokens asked for: every prompt position has its own
+                assert res.prompt_top_log_probs is not None and len(res.prompt_top_log_probs) == len(want)
+            if res.prompt_top_log_probs:  # () for a one-token prompt
+                top = torch.topk(lp, len(res.prompt_top_log_probs[0]))
+                assert [[i for i, _ in row] for row in res.prompt_top_log_probs] == top.indices.tolist()
+                torch.testing.assert_close(torch.tensor([[v for _, v in row] for row in res.prompt_top_log_probs]),
                                            top.values, atol=1e-4, rtol=0)
 
 

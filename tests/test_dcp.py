@@ -60,7 +60,7 @@ from tknp_megatron.plan import RequestColumns, StepPlan  # noqa: E402
 SEED = 5
 GRAPHS = ("waves", "graph-path")
 CASES = [
-    DCPCase(2, "tiny", 1, GRAPHS + ("sampled", "sampled-graph", "graph-aligned")),  # MQA, D = 2
+    DCPCase(2, "tiny", 1, GRAPHS + ("sampled", "sampled-graph", "graph-aligned", "prompt-log-probs")),  # MQA, D = 2
     DCPCase(4, "tiny", 2, GRAPHS),  # Hkv = 2, D = 2 (two DCP groups)
     DCPCase(4, "tiny", 1, GRAPHS + ("sampled-graph",)),  # MQA, D = 4
     DCPCase(2, "tiny-qk", 1, GRAPHS),  # QK layernorm over a rank's own query heads and its key head
@@ -73,6 +73,9 @@ SCENARIOS = [
     # 8 requests, 140 tokens reserved, 48 in the pool: several waves, mid-batch completions
     Scenario("waves", "tiny", *WAVES, kv_tokens_per_node=48, block_size=4),
     Scenario("sampled", "tiny", *SAMPLED, kv_tokens_per_node=96, **SAMPLING, block_size=8, log_probs=2),
+    # the prompts' log-probs too, from every rank's logits of their prefill
+    Scenario("prompt-log-probs", "tiny", *SAMPLED, kv_tokens_per_node=96, block_size=8, log_probs=2,
+             prompt_log_probs=True),
     # the same on the bucketed, padded decode path that CUDA graphs replay (eagerly here):
     # the rows each shard holds change every step, the bucket's shapes do not
     Scenario("graph-path", "tiny", *WAVES, kv_tokens_per_node=48, block_size=4, graphs=True),

@@ -46,6 +46,33 @@ def test_top_n_logprobs_beyond_the_vocabulary_is_refused():
         "request 7: top_n_logprobs 513 exceeds the vocabulary (512 tokens)")
 
 
+def test_prompt_log_probs_need_log_probs_and_a_prompt_prefilled_in_the_pool():
+    import torch
+
+    with pytest.raises(ValueError, match="return_prompt_log_probs needs return_log_probs"):
+        SamplingParams(return_prompt_log_probs=True)
+    params = SamplingParams(return_log_probs=True, return_prompt_log_probs=True)
+    assert _problem([1, 2, 3], return_log_probs=True, return_prompt_log_probs=True) is None
+    ingested = Request(7, [1, 2, 3], params, RequestTimeline(release=0.0),
+                       kv=torch.zeros(TINY.num_layers, 2, 2, TINY.num_query_groups, TINY.kv_channels))
+    assert request_problem(ingested, TINY, max_fit_tokens=1024) == (
+        "request 7: return_prompt_log_probs needs the prompt prefilled in the pool; its KV comes from outside")
+
+
+def test_a_served_echo_with_log_probs_asks_for_the_prompts():
+    """Megatron's completions endpoint sends ``skip_prompt_log_probs`` False for ``echo`` with
+    ``logprobs``; the chat endpoint's are skipped (the front end sets it)."""
+    from tknp_megatron.serving.megatron_types import to_engine_request
+
+    def params(**fields):
+        return to_engine_request([1, 2, 3], {"num_tokens_to_generate": 4, **fields}, tokenizer=None,
+                                 max_sequence_length=1024).params
+
+    assert params(return_log_probs=True, skip_prompt_log_probs=False).return_prompt_log_probs
+    assert not params(return_log_probs=True, skip_prompt_log_probs=True).return_prompt_log_probs
+    assert not params(return_log_probs=False, skip_prompt_log_probs=False).return_prompt_log_probs
+
+
 @pytest.mark.parametrize("field, value", [("top_k", 2**63), ("eos_id", 2**63)])
 def test_sampling_fields_beyond_64_bits_are_refused(field, value):
     with pytest.raises(ValueError, match=f"{field} must be .*got {value}"):

@@ -38,6 +38,7 @@ SERVE = ROOT / "examples" / "serve_tknp.py"
 EOD = 511  # Megatron's null tokenizer over the tiny preset's 512 ids
 KV_PER_NODE = 128  # 4 nodes x 4 requests of 2 blocks: a quarter of the 64-request load
 MAX_TOKENS = 8
+ECHOED = 4  # requests also sent with echo (their prompts' log-probs too)
 START_TIMEOUT_S = 180
 
 
@@ -180,9 +181,15 @@ def served(server):
     assert [r.status_code for r in replies] == [200] * 64, [r.text for r in replies if r.status_code != 200]
     choices = [r.json()["choices"][0] for r in replies]
     tokens = [_tokens(c) for c in choices]
+    # echo with logprobs, as lm-eval's log-likelihood requests ask: the prompt's log-probs too
+    echoed = [requests.post(server.url + "/v1/completions", timeout=300, json=dict(
+        prompt=p, max_tokens=MAX_TOKENS, temperature=0, logprobs=2, echo=True)) for p in prompts[:ECHOED]]
+    assert [r.status_code for r in echoed] == [200] * ECHOED, [r.text for r in echoed]
     sequences = [(len(p), p + t) for p, t in zip(prompts, tokens)]
+    sequences += [(1, p + t) for p, t in zip(prompts[:ECHOED], tokens)]  # every token's after the first
     offline, ref = spawn(offline_worker, 2, (prompts, sequences), timeout_s=300)[0]
-    return dict(prompts=prompts, choices=choices, tokens=tokens, offline=offline, ref=ref)
+    return dict(prompts=prompts, choices=choices, tokens=tokens, offline=offline, ref=ref[:len(prompts)],
+                echoed=[r.json()["choices"][0] for r in echoed], echoed_ref=ref[len(prompts):])
 
 
 def test_64_concurrent_requests_over_a_quarter_budget_equal_the_offline_run(server, served):
@@ -198,6 +205,23 @@ def test_log_probs_equal_the_reference_log_softmax(served):
         got = choice["logprobs"]["token_logprobs"][1:]  # Megatron puts None first
         assert torch.allclose(torch.tensor(got), lp, atol=1e-4, rtol=0)
         for top, row in zip(choice["logprobs"]["top_logprobs"][1:], rows):
+            want = torch.topk(row, 2)
+            assert sorted(_ids(" ".join(top))) == sorted(want.indices.tolist())
+            assert torch.allclose(torch.tensor(sorted(top.values(), reverse=True)), want.values, atol=1e-4)
+
+
+def test_echo_with_logprobs_returns_the_prompts_log_probs_too(served):
+    """``echo`` with ``logprobs`` (what lm-eval's log-likelihood requests send): every token's
+    log-prob after the first, the prompt's from its prefill in the pool, equal to the
+    reference's log-softmax, with each position's top 2."""
+    for choice, (lp, rows), prompt, tokens in zip(served["echoed"], served["echoed_ref"], served["prompts"],
+                                                  served["tokens"]):
+        got = choice["logprobs"]["token_logprobs"]
+        assert got[0] is None and len(got) == len(prompt) + len(tokens)
+        assert torch.allclose(torch.tensor(got[1:]), lp, atol=1e-4, rtol=0)
+        tops = choice["logprobs"]["top_logprobs"]
+        assert tops[0] is None and len(tops) == len(got)
+        for top, row in zip(tops[1:], rows):
             want = torch.topk(row, 2)
             assert sorted(_ids(" ".join(top))) == sorted(want.indices.tolist())
             assert torch.allclose(torch.tensor(sorted(top.values(), reverse=True)), want.values, atol=1e-4)

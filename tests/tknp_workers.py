@@ -33,6 +33,7 @@ class Scenario:
     row_align: int = 1  # the roots' rows padded with zero rows to a multiple of it (FP8 runs: 16)
     eos_id: Optional[int] = None
     log_probs: int = -1  # >= 0: return log-probs with this many top tokens
+    prompt_log_probs: bool = False  # the prompt's log-probs too (needs log_probs >= 0)
     stop: Tuple[Tuple[int, ...], ...] = ()  # stop sequences
 
 
@@ -42,7 +43,8 @@ def params_for(s: Scenario):
     return [
         SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, max_new_tokens=m,
                        seed=7, eos_id=s.eos_id, return_log_probs=s.log_probs >= 0,
-                       top_n_logprobs=max(s.log_probs, 0), stop_sequences=s.stop)
+                       top_n_logprobs=max(s.log_probs, 0), stop_sequences=s.stop,
+                       return_prompt_log_probs=s.prompt_log_probs)
         for m in s.max_new
     ]
 
@@ -194,6 +196,9 @@ def _scenarios():
         # log-probs of the drawn tokens and the top 3, computed on the last root
         Scenario("llama-sampled", "tiny", mixed[:6], max_new[:6], kv_tokens_per_node=96,
                  temperature=0.8, top_k=40, top_p=0.9, log_probs=3),
+        # the prompts' log-probs too, from their prefill (a one-token prompt has none)
+        Scenario("llama-prompt-log-probs", "tiny", mixed[:5] + ((42,),), max_new[:6], kv_tokens_per_node=96,
+                 log_probs=2, prompt_log_probs=True),
         Scenario("llama-graph-path", "tiny", mixed, max_new, kv_tokens_per_node=40, graphs=True),
         # the same with the roots' hidden state padded to 16 rows, as FP8 runs pad it
         Scenario("llama-graph-aligned", "tiny", mixed, max_new, kv_tokens_per_node=40, graphs=True,

@@ -186,6 +186,12 @@ class StepPlan:
     with PP's microbatches the microbatch's step before), -1 for a plan built request by
     request, so that every rank can derive what it computes from that plan's too
     (``executor/step_inputs.padded_step``).
+
+    ``prompt_rows`` is None unless a request prefilled in this step asks for its prompt's
+    log-probs (``SamplingParams.return_prompt_log_probs``); then ``[P]`` rows (batch order)
+    whose logits give a prompt token's log-prob, ``prompt_targets`` ``[P]`` that token (the
+    row's next prompt token) and ``prompt_requests`` ``[P]`` the request's index in batch
+    order. The last root returns those log-probs, with ``log_probs_top_n`` top tokens each.
     """
 
     step: int
@@ -201,6 +207,9 @@ class StepPlan:
     log_probs_top_n: int = -1
     idle: bool = False
     follows: int = -1
+    prompt_rows: Optional[torch.Tensor] = None
+    prompt_targets: Optional[torch.Tensor] = None
+    prompt_requests: Optional[torch.Tensor] = None
 
     @classmethod
     def idle_plan(cls, num_nodes: int) -> "StepPlan":
@@ -327,10 +336,11 @@ def next_decode_plan(step: int, previous: Optional[StepPlan], previous_batch: Se
     per_request = replace(cols, start_pos=torch.from_numpy(cols.start_pos.numpy() + 1),
                           sample_steps=torch.from_numpy(cols.sample_steps.numpy() + 1))
     return replace(previous, step=step, admissions=(), per_request=per_request, tokens=tokens,
-                   follows=previous.step)
+                   follows=previous.step, prompt_rows=None, prompt_targets=None, prompt_requests=None)
 
 
-_LONG_FIELDS = ("tokens", "prev_token_index")  # the plan's own int64 tensors
+_LONG_FIELDS = ("tokens", "prev_token_index", "prompt_rows", "prompt_targets",
+                "prompt_requests")  # the plan's own int64 tensors
 
 
 def _plan_from_state(state: dict) -> StepPlan:
@@ -345,6 +355,7 @@ def _concat(parts: Tuple[StepPlan, ...], admissions: Sequence[Admission]) -> Ste
     prev = None
     if parts[0].prev_token_index is not None:
         prev = torch.cat([p.prev_token_index for p in parts])
+    prompt = _cat_prompt_rows(parts)
     return StepPlan(
         step=parts[0].step, admissions=tuple(admissions),
         per_request=RequestColumns.cat([p.per_request for p in parts]),
@@ -352,8 +363,22 @@ def _concat(parts: Tuple[StepPlan, ...], admissions: Sequence[Admission]) -> Ste
         requests_per_owner=tuple(map(sum, zip(*(p.requests_per_owner for p in parts)))),
         rows_per_owner=tuple(map(sum, zip(*(p.rows_per_owner for p in parts)))),
         record_logits=parts[0].record_logits, prev_token_index=prev, microbatches=parts,
-        log_probs_top_n=parts[0].log_probs_top_n,
+        log_probs_top_n=parts[0].log_probs_top_n, **prompt,
     )
+
+
+def _cat_prompt_rows(parts: Tuple[StepPlan, ...]) -> dict:
+    """The parts' prompt log-prob rows in the concatenated plan's rows and requests."""
+    if all(p.prompt_rows is None for p in parts):
+        return {}
+    rows, targets, requests, row0, req0 = [], [], [], 0, 0
+    for p in parts:
+        if p.prompt_rows is not None:
+            rows.append(p.prompt_rows + row0)
+            targets.append(p.prompt_targets)
+            requests.append(p.prompt_requests + req0)
+        row0, req0 = row0 + p.num_rows, req0 + p.num_requests
+    return dict(prompt_rows=torch.cat(rows), prompt_targets=torch.cat(targets), prompt_requests=torch.cat(requests))
 
 
 def _plan(step, batch, admissions, num_nodes: int, record_logits: bool, feed_prev: bool,
@@ -386,12 +411,31 @@ def _plan(step, batch, admissions, num_nodes: int, record_logits: bool, feed_pre
         admissions=tuple(admissions),
         per_request=per_request,
         tokens=_longs(t for toks in pending for t in toks),
+        **_prompt_rows(batch, q_lens),
         requests_per_owner=tuple(np.bincount(owners, minlength=num_nodes).tolist()),
         rows_per_owner=tuple(np.bincount(owners, weights=q_lens, minlength=num_nodes).astype(np.int64).tolist()),
         record_logits=record_logits,
         prev_token_index=prev,
         log_probs_top_n=top_n,
     )
+
+
+def _prompt_rows(batch: Sequence[Request], q_lens: np.ndarray) -> dict:
+    """``prompt_rows`` / ``prompt_targets`` / ``prompt_requests`` of a plan of ``batch``
+    (in batch order, fed ``q_lens`` rows each); {} when none of them asks this step."""
+    counts = [r.prompt_log_prob_positions() for r in batch]
+    if not any(counts):
+        return {}
+    first = np.concatenate(([0], np.cumsum(q_lens)[:-1]))
+    rows, targets, requests = [], [], []
+    for i, (r, n) in enumerate(zip(batch, counts)):
+        if n:  # the prefill feeds the prompt from its first token: row j predicts prompt[j + 1]
+            rows.append(np.arange(first[i], first[i] + n))
+            targets.append(np.asarray(r.prompt[1 : n + 1], dtype=np.int64))
+            requests.append(np.full(n, i))
+    return dict(prompt_rows=torch.from_numpy(np.concatenate(rows).astype(np.int64)),
+                prompt_targets=torch.from_numpy(np.concatenate(targets)),
+                prompt_requests=torch.from_numpy(np.concatenate(requests).astype(np.int64)))
 
 
 def _owner(request: Request) -> int:

@@ -82,6 +82,11 @@ class SamplingParams:
     top_n_logprobs: int = 0
     """Also return the n most likely tokens and their log-probs at each step (needs
     ``return_log_probs``)."""
+    return_prompt_log_probs: bool = False
+    """Also return each prompt token's log-prob given the tokens before it, from the
+    prompt's prefill (``len(prompt) - 1`` values: the first token has none), and with
+    ``top_n_logprobs`` the n most likely tokens at each of those positions (needs
+    ``return_log_probs``; Megatron's ``skip_prompt_log_probs=False``)."""
     stop_sequences: Tuple[Tuple[int, ...], ...] = ()
     """Generation stops once the generated tokens end with one of these (kept in the
     output, as Megatron's engine keeps a stop word)."""
@@ -114,6 +119,8 @@ class SamplingParams:
             out.append(f"top_n_logprobs must be >= 0, got {self.top_n_logprobs}")
         if self.top_n_logprobs > 0 and not self.return_log_probs:
             out.append(f"top_n_logprobs {self.top_n_logprobs} needs return_log_probs")
+        if self.return_prompt_log_probs and not self.return_log_probs:
+            out.append("return_prompt_log_probs needs return_log_probs")
         if any(len(s) == 0 for s in self.stop_sequences):
             out.append("stop_sequences must not hold an empty sequence")
         return out

@@ -31,6 +31,7 @@ above, the collectives included.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -63,6 +64,7 @@ from tknp_megatron.executor.base import StepOutput
 from tknp_megatron.executor.dense import finish_layer, pad_rows, qkv_projection, vocab_logits
 from tknp_megatron.executor.dense_fusion import DenseFusion, dense_fusion_for
 from tknp_megatron.executor.ingest import Admitter, KVSlice
+from tknp_megatron.executor.prompt_log_probs import PromptRows, prompt_log_probs
 from tknp_megatron.executor.rope import Rope
 from tknp_megatron.executor.step_inputs import GraphStep, PaddedStep, padded_step
 from tknp_megatron.executor.tknp import draw_tokens
@@ -208,17 +210,24 @@ class DCPExecutor:
                 out = StepOutput(self.graphs.run(plan, self.last_tokens))
             else:
                 inp = prepare_dcp_inputs(plan, self.dcp, self.kv, self.rope, self.device, self.last_tokens)
-                out = self._forward(inp, plan.record_logits, plan.log_probs_top_n)
+                out = self._forward(inp, plan.record_logits, plan.log_probs_top_n, PromptRows.of(plan, self.device))
         self.last_tokens = out.tokens  # rows of the next plan may be fed from them
         return out
 
-    def _forward(self, inp: DCPStepInputs, record_logits: bool = False, top_n: int = -1) -> StepOutput:
-        """Embedding, the layer loop and sampling over prepared inputs (no host work)."""
+    def _forward(self, inp: DCPStepInputs, record_logits: bool = False, top_n: int = -1,
+                 prompt: Optional[PromptRows] = None) -> StepOutput:
+        """Embedding, the layer loop and sampling over prepared inputs (no host work;
+        log-probs at ``prompt``'s rows where given)."""
         hidden = self.model.embedding(inp.tokens.unsqueeze(0), position_ids=None)  # [rows, 1, D]
         hidden = pad_rows(hidden, self.row_align)  # [dense rows, 1, D]: the alignment's zero rows
         for layer in range(self.num_layers):
             hidden = self._layer(layer, hidden, inp)
-        return self._sample(hidden, inp, record_logits, top_n)
+        out = self._sample(hidden, inp, record_logits, top_n)
+        if prompt is None:
+            return out
+        g = self.groups
+        packed = prompt_log_probs(self.model, hidden, prompt, top_n, g.tp_group, g.tp_size, self.vocab_size)
+        return dataclasses.replace(out, prompt_log_probs=packed)
 
     # ---------------------------------------------------------------- graphs
     def graph_inputs(self, plan: StepPlan, last_tokens, max_seq_len: int):

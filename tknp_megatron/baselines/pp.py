@@ -294,6 +294,9 @@ class PPInferenceEngine(InferenceEngine):
         reason = super()._problem(req)
         if reason is None and req.kv is not None:
             return f"request {req.request_id}: the PP baseline takes outside KV only as synthetic_kv"
+        if reason is None and req.params.return_prompt_log_probs:
+            return (f"request {req.request_id}: return_prompt_log_probs is not served by the PP baseline "
+                    "(TKNP, DP, TP and DCP serve it)")
         return reason
 
     def _steps_in_flight(self) -> bool:

@@ -42,7 +42,7 @@ from tknp_megatron.models.precision import stored_bytes
 from tknp_megatron.placement import Placement
 from tknp_megatron.plan import StepPlan
 from tknp_megatron.profiler import LoopTiming
-from tknp_megatron.sampling import SamplingParams
+from tknp_megatron.sampling import SamplingParams, unpack_log_probs
 
 __all__ = ["Arrival", "BuiltExecutor", "EngineConfig", "GenerationResult", "InferenceEngine", "freeze_heap"]
 
@@ -204,8 +204,12 @@ class InferenceEngine(abc.ABC):
 
     def _problem(self, req: Request) -> Optional[str]:
         """Why ``req`` can never be served, or None (baselines add their own limits)."""
-        return request_problem(req, self.preset, self.scheduler.max_fit_tokens(),
-                               self.config.sequence_limit(self.preset))
+        reason = request_problem(req, self.preset, self.scheduler.max_fit_tokens(),
+                                 self.config.sequence_limit(self.preset))
+        if reason is None and req.params.return_prompt_log_probs and self.config.microbatches > 1:
+            reason = (f"request {req.request_id}: return_prompt_log_probs is not served with dual-active-root "
+                      "microbatching (microbatches 2)")
+        return reason
 
     def has_unfinished_requests(self) -> bool:
         """Requests waiting or running (arrivals still to come and a step whose tokens are
@@ -283,6 +287,9 @@ class InferenceEngine(abc.ABC):
         self.resident_steps += 1
         self.resident_total += self.scheduler.num_running()
         log_probs = StepLogProbs.read(out.log_probs, out.top_log_probs, out.top_ids)
+        if out.prompt_log_probs is not None:  # before the tokens: a request may end this step
+            self.scheduler.book_prompt_log_probs(
+                plan, StepLogProbs.read(*unpack_log_probs(out.prompt_log_probs, plan.log_probs_top_n)))
         finished = self.scheduler.postprocess(plan, tokens, out.logits, self.clock(), log_probs)
         used = plan.cached_tokens_per_owner()
         self.peak_kv_tokens = [max(p, u) for p, u in zip(self.peak_kv_tokens, used)]
@@ -336,6 +343,9 @@ class InferenceEngine(abc.ABC):
             tuple(req.log_probs) if req.params.return_log_probs else None,
             tuple(req.top_log_probs) if req.params.top_n_logprobs else None,
             req.finish_reason() if req.status is RequestStatus.COMPLETED else None,
+            tuple(req.prompt_log_probs) if req.params.return_prompt_log_probs else None,
+            tuple(req.prompt_top_log_probs) if req.params.return_prompt_log_probs and req.params.top_n_logprobs
+            else None,
         )
 
     def forget(self, request_id: int) -> None:

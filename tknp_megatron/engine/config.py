@@ -147,7 +147,9 @@ class GenerationResult:
     ``log_probs`` (one per generated token) and ``top_log_probs`` (per token, the
     ``top_n_logprobs`` most likely ``(id, log-prob)`` pairs) are set when the request
     asked for them; ``finish_reason`` is ``"length"``, ``"eos"`` or ``"stop"`` once
-    completed.
+    completed. ``prompt_log_probs`` (one per prompt token after the first) and
+    ``prompt_top_log_probs`` (their top pairs, with ``top_n_logprobs``) likewise, with
+    ``return_prompt_log_probs``.
     """
 
     request_id: int
@@ -160,3 +162,5 @@ class GenerationResult:
     log_probs: Optional[tuple] = None
     top_log_probs: Optional[tuple] = None
     finish_reason: Optional[str] = None
+    prompt_log_probs: Optional[tuple] = None
+    prompt_top_log_probs: Optional[tuple] = None

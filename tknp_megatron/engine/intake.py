@@ -61,6 +61,9 @@ def request_problem(req: Request, preset: ModelPreset, max_fit_tokens: int,
     problems = p.problems()
     if problems:
         return f"request {rid}: " + "; ".join(problems)
+    if p.return_prompt_log_probs and req.ingested:
+        return (f"request {rid}: return_prompt_log_probs needs the prompt prefilled in the pool; its KV "
+                "comes from outside")
     if p.top_n_logprobs > vocab:
         return f"request {rid}: top_n_logprobs {p.top_n_logprobs} exceeds the vocabulary ({vocab} tokens)"
     if req.reserved_tokens > max_len:

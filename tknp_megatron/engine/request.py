@@ -104,6 +104,9 @@ class Request:
         log_probs: per generated token, its log-prob (``params.return_log_probs``).
         top_log_probs: per generated token, ``params.top_n_logprobs`` ``(id, log-prob)``
             pairs, most likely first.
+        prompt_log_probs: per prompt token after the first, its log-prob given the tokens
+            before it (``params.return_prompt_log_probs``), from the prompt's prefill step.
+        prompt_top_log_probs: per such position, the top ``(id, log-prob)`` pairs.
     """
 
     request_id: int
@@ -123,6 +126,8 @@ class Request:
     logits: List[torch.Tensor] = field(default_factory=list)
     log_probs: List[float] = field(default_factory=list)
     top_log_probs: List[Tuple[Tuple[int, float], ...]] = field(default_factory=list)
+    prompt_log_probs: List[float] = field(default_factory=list)
+    prompt_top_log_probs: List[Tuple[Tuple[int, float], ...]] = field(default_factory=list)
 
     @property
     def status(self) -> RequestStatus:
@@ -169,6 +174,22 @@ class Request:
         self.timeline.record_token(now)
         return len(gen) >= p.max_new_tokens or token == p.eos_id or (
             bool(p.stop_sequences) and self.finish_reason() is not None)
+
+    def book_prompt_log_probs(self, log_probs: Sequence[float],
+                              tops: Sequence[Sequence[Tuple[int, float]]]) -> None:
+        """The prompt's log-probs from its prefill step (:meth:`prompt_log_prob_positions`'
+        order), with each position's top ``(id, log-prob)`` pairs."""
+        n = self.params.top_n_logprobs
+        self.prompt_log_probs.extend(log_probs)
+        self.prompt_top_log_probs.extend(tuple(top[:n]) for top in tops)
+
+    def prompt_log_prob_positions(self) -> int:
+        """How many of this step's fed rows, from its first, give a prompt token's log-prob:
+        ``len(prompt) - 1`` in the step that prefills the whole prompt, when asked for
+        (each row's logits give the next prompt token's), else 0."""
+        if not self.params.return_prompt_log_probs or self.num_cached or self.inflight_rows:
+            return 0
+        return len(self.prompt) - 1
 
     def complete(self, now: float) -> None:
         """Done (:meth:`finished`); the scheduler releases its blocks."""

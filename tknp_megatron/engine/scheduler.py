@@ -207,6 +207,20 @@ class Scheduler:
             if req is not None:
                 req.inflight_rows, req.inflight_index = rows, i
 
+    def book_prompt_log_probs(self, plan: StepPlan, log_probs: StepLogProbs) -> None:
+        """Book a prefill step's prompt log-probs (one per ``plan.prompt_rows`` row, in its
+        order) to the requests that asked (``plan.prompt_requests``)."""
+        ids = plan.per_request.request_ids.tolist()
+        owners = plan.prompt_requests.tolist()
+        start = 0
+        for end in range(1, len(owners) + 1):  # rows come grouped by request
+            if end == len(owners) or owners[end] != owners[start]:
+                req = self._live.get(ids[owners[start]])
+                if req is not None:
+                    req.book_prompt_log_probs(log_probs.chosen[start:end],
+                                              [log_probs.row(j)[1] for j in range(start, end)])
+                start = end
+
     def postprocess(self, plan: StepPlan, tokens: Sequence[int],
                     logits: Optional[torch.Tensor], now: float,
                     log_probs: Optional[StepLogProbs] = None) -> List[int]:

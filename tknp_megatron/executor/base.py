@@ -28,6 +28,9 @@ class StepOutput:
     When the plan asks for log-probs (``plan.log_probs_top_n >= 0``, K of them):
     ``log_probs`` ``[R]`` float32 (each token's log-prob), ``top_log_probs`` ``[R, K]``
     float32 and ``top_ids`` ``[R, K]`` int64, computed where the logits are (the last root).
+    When it names prompt rows (``plan.prompt_rows``, P of them), ``prompt_log_probs``
+    ``[P, 1 + 2 K]`` float32: each row's prompt token's log-prob, its top values and ids,
+    packed (:func:`~tknp_megatron.sampling.unpack_log_probs` unpacks them).
     """
 
     tokens: torch.Tensor
@@ -35,6 +38,7 @@ class StepOutput:
     log_probs: Optional[torch.Tensor] = None
     top_log_probs: Optional[torch.Tensor] = None
     top_ids: Optional[torch.Tensor] = None
+    prompt_log_probs: Optional[torch.Tensor] = None
 
 
 @runtime_checkable

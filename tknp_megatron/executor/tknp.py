@@ -28,6 +28,7 @@ from tknp_megatron.executor.dense import dense_rows, finish_layer, pad_rows, qkv
 from tknp_megatron.executor.dense_fusion import DenseFusion
 from tknp_megatron.executor.ingest import Admitter, KVIngest, KVSlice
 from tknp_megatron.executor.owner_attention import OwnerAttention
+from tknp_megatron.executor.prompt_log_probs import PromptRows, prompt_log_probs
 from tknp_megatron.executor.rope import Rope
 from tknp_megatron.executor.step_inputs import GraphStep, PaddedStep, StepInputs, padded_step, prepare_inputs
 from tknp_megatron.kv_cache import PagedKVCache
@@ -138,14 +139,15 @@ class TKNPExecutor:
             else:
                 inputs = prepare_inputs(plan, self.node, self.kv, self.rope, self.device,
                                         last_tokens=self.last_tokens)
-                out = self.forward(inputs, plan.record_logits, timer, plan.log_probs_top_n)
+                out = self.forward(inputs, plan.record_logits, timer, plan.log_probs_top_n,
+                                   PromptRows.of(plan, self.device))
         self.last_tokens = out.tokens
         return out
 
     def forward(self, inp: StepInputs, record_logits: bool = False, timer=None,
-                top_n: int = -1) -> StepOutput:
+                top_n: int = -1, prompt: Optional[PromptRows] = None) -> StepOutput:
         """The layer loop and sampling over prepared inputs (log-probs with ``top_n`` top
-        tokens when ``top_n >= 0``)."""
+        tokens when ``top_n >= 0``, and at ``prompt``'s rows where given)."""
         inp = self.attend.prepare(inp)  # the attention kernel's schedule, once for every layer
         hidden = self._embed(inp) if self.node == self.placement.root_of_layer(0) else None
         num_layers = self.placement.num_layers
@@ -156,7 +158,7 @@ class TKNPExecutor:
             if nxt != root:
                 hidden = self._handoff(hidden, root, nxt, inp)
                 _mark(timer, "handoff")
-        return self._sample(hidden, inp, record_logits, top_n=top_n)
+        return self._sample(hidden, inp, record_logits, top_n=top_n, prompt=prompt)
 
     # ---------------------------------------------------------------- graphs
     def graph_inputs(self, plan: StepPlan, last_tokens, max_seq_len: int):
@@ -242,10 +244,11 @@ class TKNPExecutor:
 
     # ---------------------------------------------------------------- sampling
     def _sample(self, hidden, inp: StepInputs, record_logits: bool, last_root: Optional[int] = None,
-                top_n: int = -1) -> StepOutput:
+                top_n: int = -1, prompt: Optional[PromptRows] = None) -> StepOutput:
         """Logits and tokens on ``last_root`` (default: the last layer's root), broadcast to
         the pool: tokens ``[R]``, logits ``[R, vocab]`` if recorded, and with ``top_n >= 0``
-        the log-probs, computed there too (one packed ``[R, 1 + 2 top_n]`` broadcast)."""
+        the log-probs, computed there too (one packed ``[R, 1 + 2 top_n]`` broadcast), and
+        those of ``prompt``'s rows (one more, ``[P, 1 + 2 top_n]``)."""
         last_root = self.last_root if last_root is None else last_root
         src = self.groups.global_rank(last_root, 0)
         n = inp.last_rows.shape[0]
@@ -255,6 +258,9 @@ class TKNPExecutor:
             logits = torch.empty(n, self.vocab_size, dtype=torch.float32, device=self.device)
         if top_n >= 0:
             packed = torch.empty(n, 1 + 2 * top_n, dtype=torch.float32, device=self.device)
+        prompt_packed = None
+        if prompt is not None:
+            prompt_packed = torch.empty(prompt.count, 1 + 2 * top_n, dtype=torch.float32, device=self.device)
         if self.node == last_root:
             g = self.groups
             full = vocab_logits(self.model, hidden, inp.last_rows, g.tp_group, g.tp_size, self.vocab_size)
@@ -263,13 +269,18 @@ class TKNPExecutor:
                 logits.copy_(full)
             if packed is not None:
                 pack_log_probs(*token_log_probs(full, tokens, top_n), out=packed)
+            if prompt is not None:
+                prompt_packed = prompt_log_probs(self.model, hidden, prompt, top_n, g.tp_group, g.tp_size,
+                                                 self.vocab_size)
         dist.broadcast(tokens, src=src, group=self.groups.pool_group)
         if logits is not None:
             dist.broadcast(logits, src=src, group=self.groups.pool_group)
         if packed is None:
             return StepOutput(tokens, logits)
         dist.broadcast(packed, src=src, group=self.groups.pool_group)
-        return StepOutput(tokens, logits, *unpack_log_probs(packed, top_n))
+        if prompt_packed is not None:
+            dist.broadcast(prompt_packed, src=src, group=self.groups.pool_group)
+        return StepOutput(tokens, logits, *unpack_log_probs(packed, top_n), prompt_packed)
 
 
 def draw_tokens(logits: torch.Tensor, sampling: SamplingTensors, all_greedy: bool) -> torch.Tensor:

@@ -29,10 +29,13 @@ __all__ = ["ReferenceOutput", "build_reference_model", "reference_generate", "re
 
 @dataclass(frozen=True)
 class ReferenceOutput:
-    """Generated tokens of one request and their logits ``[n, vocab]``."""
+    """Generated tokens of one request and their logits ``[n, vocab]``; with
+    ``return_prompt_log_probs`` the logits at the prompt's positions but its last
+    ``[len(prompt) - 1, vocab]`` (each predicting the next prompt token)."""
 
     tokens: tuple
     logits: torch.Tensor
+    prompt_logits: Optional[torch.Tensor] = None
 
 
 def build_reference_model(
@@ -123,9 +126,12 @@ def reference_generate(
     out = []
     for rid, prompt, p in zip(ids, prompts, params):
         tokens = list(prompt)
-        logits_rows = []
+        logits_rows, prompt_logits = [], None
         for step in range(p.max_new_tokens):
-            logits = reference_logits(model, rope, torch.tensor(tokens, device=device), preset.vocab_size)[-1:]
+            every = reference_logits(model, rope, torch.tensor(tokens, device=device), preset.vocab_size)
+            if step == 0 and p.return_prompt_log_probs:
+                prompt_logits = every[:-1].cpu()
+            logits = every[-1:]
             logits_rows.append(logits[0])
             tok = sample(
                 logits,
@@ -142,5 +148,5 @@ def reference_generate(
             generated = tuple(tokens[len(prompt):])
             if any(generated[-len(seq):] == tuple(seq) for seq in p.stop_sequences if len(generated) >= len(seq)):
                 break  # ends with a stop sequence (kept)
-        out.append(ReferenceOutput(tuple(tokens[len(prompt):]), torch.stack(logits_rows).cpu()))
+        out.append(ReferenceOutput(tuple(tokens[len(prompt):]), torch.stack(logits_rows).cpu(), prompt_logits))
     return out

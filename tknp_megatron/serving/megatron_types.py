@@ -111,9 +111,9 @@ def to_engine_request(
     ``max_sequence_length``; stop words are tokenized without BOS. ``seed`` (an HTTP body's,
     which the front end adds, with ``seed_choice``, the index of the choice) keys the draws'
     noise with the choice's index instead of the request's id, so the same seeded request
-    draws the same tokens again. Prompt log-probs (``return_log_probs`` without
-    ``skip_prompt_log_probs``) are refused: a decode pool receives its prompts' KV and
-    never computes their logits.
+    draws the same tokens again. ``return_log_probs`` without ``skip_prompt_log_probs``
+    (an HTTP completion with ``echo`` and ``logprobs``) returns the prompt's log-probs too,
+    read from its prefill in the pool.
 
     Raises:
         RequestRefused: naming the field, its value and what is allowed.
@@ -162,9 +162,7 @@ def to_engine_request(
     if tokenizers_end:
         termination = getattr(tokenizer, "eod", None)
     return_log_probs = bool(params.get("return_log_probs", False))
-    if return_log_probs and not params.get("skip_prompt_log_probs", False):
-        raise RequestRefused("return_log_probs with skip_prompt_log_probs False: prompt log-probs "
-                             "are not computed by a decode pool (set skip_prompt_log_probs)")
+    prompt_log_probs = return_log_probs and not params.get("skip_prompt_log_probs", False)
     stop = tuple(tuple(tokenize_prompt(tokenizer, word, False)) for word in params.get("stop_words") or ())
     if any(not s for s in stop):
         raise RequestRefused(f"stop_words {params.get('stop_words')}: a stop word has no tokens")
@@ -178,6 +176,7 @@ def to_engine_request(
             max_new_tokens=int(new_tokens),
             eos_id=None if termination is None or termination < 0 else int(termination),
             return_log_probs=return_log_probs,
+            return_prompt_log_probs=prompt_log_probs,
             top_n_logprobs=_optional_int(params, "top_n_logprobs") or 0,
             stop_sequences=stop,
             seed=0 if seed is None else seed,
@@ -240,7 +239,8 @@ def reply_item(
     ``result`` is the engine's (completed, rejected or aborted); ``failure`` a reason for a
     request that never reached the engine. A completed request is COMPLETED with its
     generated tokens, their log-probs and top-n log-probs (``{token text: log-prob}`` per
-    token, as Megatron's engine detokenizes them), a stop word kept or trimmed as the
+    token, as Megatron's engine detokenizes them), the prompt's where asked (and its top-n
+    where ``return_prompt_top_n_logprobs``), a stop word kept or trimmed as the
     installed version's engine does; anything else is FAILED with an error event carrying
     the reason, which Megatron's front end reports: ERROR_NONTRANSIENT for a request refused
     for what it asks (the same request would be refused again; Megatron's endpoints answer
@@ -274,6 +274,12 @@ def reply_item(
         if result.top_log_probs is not None:
             request.generated_top_n_logprobs = [
                 {tokenizer.detokenize([tid]): lp for tid, lp in top} for top in result.top_log_probs[:keep]
+            ]
+        if result.prompt_log_probs is not None:  # one per prompt token after the first, as Megatron's
+            request.prompt_log_probs = list(result.prompt_log_probs)
+        if result.prompt_top_log_probs is not None and request.sampling_params.return_prompt_top_n_logprobs:
+            request.prompt_top_n_logprobs = [
+                {tokenizer.detokenize([tid]): lp for tid, lp in top} for top in result.prompt_top_log_probs
             ]
         request.add_event_finish()
     else:
