@@ -227,6 +227,54 @@ def test_echo_with_logprobs_returns_the_prompts_log_probs_too(served):
             assert torch.allclose(torch.tensor(sorted(top.values(), reverse=True)), want.values, atol=1e-4)
 
 
+def _put_api(server, **body):
+    return requests.put(server.url + "/api", json=body, timeout=120)
+
+
+def test_megatrons_legacy_put_api_gives_the_offline_tokens_and_every_log_prob(server, served):
+    """``PUT /api`` as Megatron-LM's ``tools/text_generation_cli.py`` sends it (``top_k`` 1:
+    greedy): each prompt followed by the offline run's tokens; with ``logprobs`` every
+    token's log-prob after the first, the prompt's included; ``tokens_to_generate`` 0 scores
+    the prompt alone."""
+    prompts = served["prompts"][:ECHOED]
+    texts = [" ".join(map(str, p)) for p in prompts]
+    reply = _put_api(server, prompts=texts, tokens_to_generate=MAX_TOKENS, top_k=1)
+    assert reply.status_code == 200, reply.text
+    out = reply.json()
+    assert out["tokens"] == [p + list(t) for p, t in zip(prompts, served["offline"])]
+    assert out["text"] == [" ".join(map(str, t)) for t in out["tokens"]]
+    assert out["segments"] == [[str(t) for t in toks] for toks in out["tokens"]] and "logprobs" not in out
+    scored = _put_api(server, prompts=texts, tokens_to_generate=MAX_TOKENS, top_k=1, logprobs=True).json()
+    for lps, (lp, _), prompt, tokens in zip(scored["logprobs"], served["echoed_ref"], prompts, served["tokens"]):
+        assert len(lps) == len(prompt) - 1 + len(tokens)
+        assert torch.allclose(torch.tensor(lps), lp, atol=1e-4, rtol=0)
+    alone = _put_api(server, prompts=texts, tokens_to_generate=0, logprobs=True).json()
+    assert alone["tokens"] == prompts
+    for lps, (lp, _), prompt in zip(alone["logprobs"], served["echoed_ref"], prompts):
+        assert torch.allclose(torch.tensor(lps), lp[: len(prompt) - 1], atol=1e-4, rtol=0)
+
+
+def test_the_legacy_api_seeds_its_draws_and_refuses_as_megatron_does(server, served):
+    text = " ".join(map(str, served["prompts"][0]))
+    draws = [_put_api(server, prompts=[text], tokens_to_generate=6, random_seed=11).json()["tokens"]
+             for _ in range(2)]
+    assert draws[0] == draws[1]
+    for body, message in [
+        (dict(tokens_to_generate=4), "prompts argument required"),
+        (dict(prompts=text), "prompts is not a list of strings"),
+        (dict(prompts=[text], top_k=5, top_p=0.5), "cannot set both top-k and top-p samplings."),
+        (dict(prompts=[text], temperature=0), "temperature must be a positive number"),
+        (dict(prompts=[text], tokens_to_generate=0), "tokens_to_generate=0 implies logprobs should be True"),
+        (dict(prompts=[text], stop_on_eol=True), "stop_on_eol True: not acted on by Megatron's engine path"),
+        (dict(prompts=["1 2 x"]), "prompts:"),
+        (dict(prompts=[text] * 129), "Maximum number of prompts is 128"),
+        (dict(prompts=[text, "1 600"]), "token id 600 outside the vocabulary [0, 512)"),  # the pool refuses it
+    ]:
+        reply = _put_api(server, **body)
+        assert reply.status_code == 400 and message in reply.json()["message"], (body, reply.text)
+    assert _put_api(server, prompts=[text], tokens_to_generate=2, top_k=1).status_code == 200
+
+
 def test_openai_client_greedy_completion_equals_the_offline_tokens(server, served):
     from openai import OpenAI
 

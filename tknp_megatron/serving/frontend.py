@@ -23,7 +23,8 @@ its server launchers do:
   failing pool ended, as 0.17 and later answer them (they check the status themselves);
   the body's ``stop`` reaches 0.16's requests as later versions pass it on, and its
   ``seed``, which every version drops, reaches each request with the choice's index
-  (:func:`_add_seed`); 0.16's Flask app runs in :data:`HTTP_THREADS` worker threads.
+  (:func:`_add_seed`); 0.16's Flask app runs in :data:`HTTP_THREADS` worker threads;
+  Megatron's legacy ``PUT /api`` is served as well (:mod:`.legacy_api`).
 
 The helper processes are forks of one server process (:func:`helper_context`) that has
 imported what they run once, so none of them imports Megatron-Core again (seconds of CPU
@@ -49,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
 from tknp_megatron.serving.coordinator_link import unbounded_queues
+from tknp_megatron.serving.legacy_api import legacy_blueprint
 from tknp_megatron.serving.megatron_types import REPLIES_ARE_RECORDS
 
 GRACEFUL_S = 10.0  # how long a stopping HTTP server may take to answer the requests it holds
@@ -628,6 +630,7 @@ async def _http_main(address: str, tokenizer, host: str, port: int, stop, listen
     app.config["tokenizer"] = tokenizer
     for blueprint in endpoints.__all__:
         app.register_blueprint(blueprint)
+    app.register_blueprint(legacy_blueprint(quart=not REPLIES_ARE_RECORDS))  # PUT /api
     sock = _listen(host, port, shared)
     config = Config()
     config.bind = [f"fd://{sock.fileno()}"]
