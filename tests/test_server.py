@@ -227,6 +227,20 @@ def test_echo_with_logprobs_returns_the_prompts_log_probs_too(served):
             assert torch.allclose(torch.tensor(sorted(top.values(), reverse=True)), want.values, atol=1e-4)
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(server, served):
+    """OpenAI's way to score a text: ``echo``, ``logprobs`` and ``max_tokens`` 0; without
+    ``echo`` and ``logprobs``, ``max_tokens`` 0 is still a 400."""
+    for prompt, (lp, _) in zip(served["prompts"][:ECHOED], served["echoed_ref"]):
+        reply = requests.post(server.url + "/v1/completions", timeout=120, json=dict(
+            prompt=prompt, max_tokens=0, temperature=0, logprobs=1, echo=True))
+        assert reply.status_code == 200, reply.text
+        got = reply.json()["choices"][0]["logprobs"]["token_logprobs"]
+        assert got[0] is None and len(got) == len(prompt)
+        assert torch.allclose(torch.tensor(got[1:]), lp[: len(prompt) - 1], atol=1e-4, rtol=0)
+    assert requests.post(server.url + "/v1/completions", timeout=120, json=dict(
+        prompt=served["prompts"][0], max_tokens=0, logprobs=1)).status_code == 400
+
+
 def _put_api(server, **body):
     return requests.put(server.url + "/api", json=body, timeout=120)
 

@@ -503,8 +503,9 @@ def _body_problem(method: str, body, rules: BodyRules, path: str = "/v1/completi
     a numeric field that is null, not a number, or outside what the request takes
     (:data:`_NUMBER_RULES`); ``stop`` that is not text or a list of texts; ``n`` above 1 on
     the completions route (Megatron's completions endpoint gives one choice per prompt);
-    ``stream`` where the endpoints cannot stream. Other routes (``/health``, an unknown
-    path) are left to the app, which answers them itself (404, 405)."""
+    ``stream`` where the endpoints cannot stream. ``max_tokens`` 0 is taken with ``echo``
+    and ``logprobs`` (the prompt scored alone, as OpenAI's API takes it). Other routes
+    (``/health``, an unknown path) are left to the app, which answers them itself (404, 405)."""
     route = path.rstrip("/")
     if method != "POST" or route not in COMPLETION_ROUTES:
         return None
@@ -533,8 +534,10 @@ def _body_problem(method: str, body, rules: BodyRules, path: str = "/v1/completi
             problem = None if bad is None else f"'{key}': token id {_shown(bad)} outside the vocabulary [0, {rules.vocab})"
         if problem:
             return problem, 400
+    scored = (not chat and body.get("echo") is True and body.get("logprobs") is not None
+              and type(body.get("max_tokens")) is int and body["max_tokens"] == 0)  # the prompt scored alone
     for field in _NUMBER_RULES:
-        if field in body:
+        if field in body and not (scored and field == "max_tokens"):
             problem = _number_problem(field, body[field], rules.vocab)
             if problem:
                 return problem, 400

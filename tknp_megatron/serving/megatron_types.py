@@ -156,13 +156,16 @@ def to_engine_request(
             raise RequestRefused(f"num_tokens_total {total}: must exceed the prompt's {len(ids)} tokens")
     elif new_tokens is None:
         new_tokens = max_sequence_length - len(ids)
+    elif new_tokens == 0 and prompt_scored(params):
+        new_tokens = 1  # the pool generates one; the reply keeps none (reply_item)
     elif new_tokens < 1:
-        raise RequestRefused(f"num_tokens_to_generate {new_tokens}: must be at least 1")
+        raise RequestRefused(f"num_tokens_to_generate {new_tokens}: must be at least 1 (0 only with the "
+                             "prompt's log-probs: return_log_probs without skip_prompt_log_probs)")
     tokenizers_end = termination is None  # the tokenizer's end: its eod and its other end ids
     if tokenizers_end:
         termination = getattr(tokenizer, "eod", None)
     return_log_probs = bool(params.get("return_log_probs", False))
-    prompt_log_probs = return_log_probs and not params.get("skip_prompt_log_probs", False)
+    prompt_log_probs = prompt_scored(params)
     stop = tuple(tuple(tokenize_prompt(tokenizer, word, False)) for word in params.get("stop_words") or ())
     if any(not s for s in stop):
         raise RequestRefused(f"stop_words {params.get('stop_words')}: a stop word has no tokens")
@@ -206,6 +209,13 @@ def _echoed_ids(prompt) -> list:
     ok = isinstance(prompt, (list, tuple)) and all(
         isinstance(t, int) and not isinstance(t, bool) and -2**63 <= t < 2**63 for t in prompt)
     return list(prompt) if ok else []
+
+
+def prompt_scored(params: Dict[str, Any]) -> bool:
+    """Whether Megatron's ``params`` ask for the prompt's log-probs: ``return_log_probs``
+    without ``skip_prompt_log_probs`` (then ``num_tokens_to_generate`` 0 scores the prompt
+    alone, as OpenAI's ``echo`` with ``max_tokens`` 0 does)."""
+    return bool(params.get("return_log_probs", False)) and not params.get("skip_prompt_log_probs", False)
 
 
 def _stop_trim(result: GenerationResult, megatron_params: Dict[str, Any], tokenizer) -> int:
@@ -266,6 +276,8 @@ def reply_item(
     (getattr(request, "add_event_add", None) or request.add_event_add_engine)()
     if completed:
         keep = len(result.tokens) - _stop_trim(result, megatron_params, tokenizer)
+        if megatron_params.get("num_tokens_to_generate") == 0:  # the prompt scored alone
+            keep = 0
         request.status = Status.COMPLETED
         request.generated_tokens = list(result.tokens[:keep])
         request.generated_length = keep
