@@ -18,24 +18,16 @@ from tknp_megatron.mode import Mode
 
 WORLDS = {2: [(2, 1)], 4: [(4, 1), (2, 2)]}
 SHAPES = [s for shapes in WORLDS.values() for s in shapes]
-NAMES = ("llama-waves", "nemotron-waves", "llama-few", "llama-ingest", "llama-sampled", "llama-eos",
-         "llama-graph-path", "llama-graph-aligned")
+NAMES = ("llama-waves", "nemotron-waves", "llama-few", "llama-ingest", "llama-sampled", "llama-prompt-log-probs",
+         "llama-eos", "llama-graph-path", "llama-graph-aligned")
 DUAL_SCENARIOS = [s for s in SCENARIOS if s.name in NAMES]
-PROMPT_LOG_PROBS = [s for s in SCENARIOS if s.prompt_log_probs]  # refused with two microbatches
 
 
 @pytest.fixture(scope="module")
 def dual(reference):
     kvs = reference_kvs(reference)
-    args = {world: (shapes, DUAL_SCENARIOS + PROMPT_LOG_PROBS * (world == 2), SEED, kvs, Mode.TKNP_DUAL)
-            for world, shapes in WORLDS.items()}
+    args = {world: (shapes, DUAL_SCENARIOS, SEED, kvs, Mode.TKNP_DUAL) for world, shapes in WORLDS.items()}
     return dict(spawn_runs(tknp_worker, args))
-
-
-def test_dual_root_refuses_prompt_log_probs_by_name(dual):
-    results = dual[(2, 1, PROMPT_LOG_PROBS[0].name)]["results"]
-    assert results and all(r.status.value == "rejected" for r in results)
-    assert all("not served with dual-active-root microbatching" in r.reject_reason for r in results)
 
 
 CASES = [(shape, s) for shape in SHAPES for s in DUAL_SCENARIOS]

@@ -19,15 +19,14 @@ from tknp_megatron.mode import Mode
 
 WORLDS = {2: [(1, 2), (2, 1)], 3: [(3, 1)], 4: [(2, 2)]}
 SHAPES = [s for shapes in WORLDS.values() for s in shapes]
-PP_SCENARIOS = [s for s in SCENARIOS if not s.ingest and not s.prompt_log_probs]
+PP_SCENARIOS = [s for s in SCENARIOS if not s.ingest]
 INGEST = [s for s in SCENARIOS if s.ingest]
-PROMPT_LOG_PROBS = [s for s in SCENARIOS if s.prompt_log_probs]  # refused by PP
 
 
 @pytest.fixture(scope="module")
 def pp(reference):
     kvs = reference_kvs(reference)
-    args = {world: (shapes, PP_SCENARIOS + (INGEST[:1] + PROMPT_LOG_PROBS) * (world == 2), SEED, kvs, Mode.PP)
+    args = {world: (shapes, PP_SCENARIOS + INGEST[:1] * (world == 2), SEED, kvs, Mode.PP)
             for world, shapes in WORLDS.items()}
     return dict(spawn_runs(tknp_worker, args))
 
@@ -41,14 +40,6 @@ def test_pp_matches_reference(pp, reference, shape, scenario):
     run = pp[(*shape, scenario.name)]
     ref, _ = reference[scenario.name]
     assert_matches_reference(run["results"][: len(scenario.prompts)], ref, logits=not scenario.graphs)
-
-
-def test_pp_refuses_prompt_log_probs_by_name(pp):
-    """Each request asking for its prompt's log-probs ends refused with the reason."""
-    for shape in WORLDS[2]:
-        results = pp[(*shape, PROMPT_LOG_PROBS[0].name)]["results"]
-        assert results and all(r.status.value == "rejected" for r in results)
-        assert all("return_prompt_log_probs is not served by the PP baseline" in r.reject_reason for r in results)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"S{s[0]}T{s[1]}")

@@ -39,6 +39,7 @@ from tknp_megatron.executor.dense import dense_rows, finish_layer, pad_rows, qkv
 from tknp_megatron.executor.dense_fusion import DenseFusion, dense_fusion_for
 from tknp_megatron.executor.ingest import Admitter, KVSlice
 from tknp_megatron.executor.owner_attention import OwnerAttention
+from tknp_megatron.executor.prompt_log_probs import PromptRows, prompt_log_probs
 from tknp_megatron.executor.rope import Rope
 from tknp_megatron.executor.step_inputs import GraphStep, PaddedStep, padded_step, prepare_inputs
 from tknp_megatron.executor.tknp import draw_tokens
@@ -152,7 +153,11 @@ class PPExecutor:
             return StepOutput(tokens, logits)
         packed = torch.empty(n, 1 + 2 * top_n, dtype=torch.float32, device=self.device)
         dist.recv(packed, src)
-        return StepOutput(tokens, logits, *unpack_log_probs(packed, top_n))
+        prompt = None
+        if plan.prompt_rows is not None:  # the prompts' log-probs of a prefill step
+            prompt = torch.empty(len(plan.prompt_rows), 1 + 2 * top_n, dtype=torch.float32, device=self.device)
+            dist.recv(prompt, src)
+        return StepOutput(tokens, logits, *unpack_log_probs(packed, top_n), prompt)
 
     # ---------------------------------------------------------------- compute
     def apply_admissions(self, admissions: List[Admission]) -> None:
@@ -173,7 +178,7 @@ class PPExecutor:
         with dense_autocast(self.model.config, self.groups.tp_group):  # FP8 GEMMs if stored FP8
             if use_graph:
                 out = self.graphs.run(plan, hidden)  # hidden [R, 1, D], or the last stage's tokens [R]
-                out = out if self.stage < self.num_stages - 1 else (out, None)
+                out = out if self.stage < self.num_stages - 1 else (out, None, None)
             else:
                 out = self._run(plan, hidden)
         if self.stage < self.num_stages - 1:
@@ -181,10 +186,10 @@ class PPExecutor:
             return None
         if not plan.num_requests:
             return None
-        tokens, logits = out
+        tokens, logits, prompt = out
         top_n = plan.log_probs_top_n
         log_probs = token_log_probs(logits, tokens, top_n) if top_n >= 0 else (None, None, None)
-        output = StepOutput(tokens, logits if plan.record_logits else None, *log_probs)
+        output = StepOutput(tokens, logits if plan.record_logits else None, *log_probs, prompt)
         coordinator = self.groups.coordinator_rank
         if self.num_stages == 1:
             if self.groups.is_coordinator:
@@ -195,18 +200,22 @@ class PPExecutor:
                 dist.send(logits.contiguous(), coordinator)
             if top_n >= 0:
                 dist.send(pack_log_probs(*log_probs), coordinator)
+            if prompt is not None:
+                dist.send(prompt, coordinator)
         return output
 
     def _run(self, plan: StepPlan, hidden: Optional[torch.Tensor]):
         """This stage's layers for ``plan``: hidden ``[rows, 1, D]`` out, or on the last
-        stage ``(tokens [R], logits [R, V])``."""
+        stage ``(tokens [R], logits [R, V], the prompts' packed log-probs or None)``."""
         if not plan.num_requests:  # admissions only: nothing to compute this tick
             return torch.empty(0, 1, self.hidden_size, dtype=self.dtype, device=self.device)
-        return self._forward(prepare_inputs(plan, 0, self.kv, self.rope, self.device), hidden)
+        return self._forward(prepare_inputs(plan, 0, self.kv, self.rope, self.device), hidden,
+                             PromptRows.of(plan, self.device), plan.log_probs_top_n)
 
-    def _forward(self, inp, hidden: Optional[torch.Tensor]):
+    def _forward(self, inp, hidden: Optional[torch.Tensor], prompt: Optional[PromptRows] = None, top_n: int = -1):
         """The stage's computation over prepared inputs: (stage 0) the embedding, the
-        stage's layers, and (last stage) the logits and tokens; ``hidden`` ``[rows, 1, D]``
+        stage's layers, and (last stage) the logits and tokens, and with ``prompt`` its
+        rows' log-probs (``top_n`` top tokens each, packed); ``hidden`` ``[rows, 1, D]``
         in, ``[rows, 1, D]`` out (the alignment's zero rows stay on the stage)."""
         inp = self.attend.prepare(inp)  # the attention kernel's schedule, once for every layer
         rows = inp.shape.num_rows
@@ -221,7 +230,10 @@ class PPExecutor:
             return hidden[:rows]
         groups = self.groups
         logits = vocab_logits(self.model, hidden, inp.last_rows, groups.tp_group, groups.tp_size, self.vocab)
-        return draw_tokens(logits, inp.sampling, inp.shape.all_greedy), logits
+        packed = None
+        if prompt is not None:
+            packed = prompt_log_probs(self.model, hidden, prompt, top_n, groups.tp_group, groups.tp_size, self.vocab)
+        return draw_tokens(logits, inp.sampling, inp.shape.all_greedy), logits, packed
 
     # ---------------------------------------------------------------- graphs
     def graph_inputs(self, plan: StepPlan, hidden: Optional[torch.Tensor], max_seq_len: int):
@@ -294,9 +306,6 @@ class PPInferenceEngine(InferenceEngine):
         reason = super()._problem(req)
         if reason is None and req.kv is not None:
             return f"request {req.request_id}: the PP baseline takes outside KV only as synthetic_kv"
-        if reason is None and req.params.return_prompt_log_probs:
-            return (f"request {req.request_id}: return_prompt_log_probs is not served by the PP baseline "
-                    "(TKNP, DP, TP and DCP serve it)")
         return reason
 
     def _steps_in_flight(self) -> bool:

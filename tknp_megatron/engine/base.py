@@ -204,12 +204,8 @@ class InferenceEngine(abc.ABC):
 
     def _problem(self, req: Request) -> Optional[str]:
         """Why ``req`` can never be served, or None (baselines add their own limits)."""
-        reason = request_problem(req, self.preset, self.scheduler.max_fit_tokens(),
-                                 self.config.sequence_limit(self.preset))
-        if reason is None and req.params.return_prompt_log_probs and self.config.microbatches > 1:
-            reason = (f"request {req.request_id}: return_prompt_log_probs is not served with dual-active-root "
-                      "microbatching (microbatches 2)")
-        return reason
+        return request_problem(req, self.preset, self.scheduler.max_fit_tokens(),
+                               self.config.sequence_limit(self.preset))
 
     def has_unfinished_requests(self) -> bool:
         """Requests waiting or running (arrivals still to come and a step whose tokens are

@@ -27,6 +27,7 @@ import torch
 
 from tknp_megatron.executor.base import StepOutput
 from tknp_megatron.executor.dense import finish_layer, qkv_projection
+from tknp_megatron.executor.prompt_log_probs import PromptRows
 from tknp_megatron.executor.step_inputs import GraphStep, StepInputs, host_inputs, pad_plan, prepare_inputs
 from tknp_megatron.executor.tknp import TKNPExecutor
 from tknp_megatron.models.precision import dense_autocast
@@ -69,14 +70,16 @@ class DualRootExecutor(TKNPExecutor):
         ]
         hidden = self._run_layers(inputs)
         parts = [self._sample(hidden[m], inp, plan.record_logits, self.placement.last_root(m),
-                              plan.log_probs_top_n)
+                              plan.log_probs_top_n, PromptRows.of(plan.microbatches[m], self.device))
                  for m, inp in enumerate(inputs) if inp is not None]
 
         def cat(name):
             values = [getattr(p, name) for p in parts]
             return None if values[0] is None else torch.cat(values)
 
-        out = StepOutput(*(cat(f) for f in ("tokens", "logits", "log_probs", "top_log_probs", "top_ids")))
+        prompt = [p.prompt_log_probs for p in parts if p.prompt_log_probs is not None]  # the plan's order
+        out = StepOutput(*(cat(f) for f in ("tokens", "logits", "log_probs", "top_log_probs", "top_ids")),
+                         torch.cat(prompt) if prompt else None)
         self.last_tokens = out.tokens
         return out
 
