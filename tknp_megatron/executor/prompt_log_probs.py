@@ -54,6 +54,7 @@ class PromptRows:
         return int(self.rows.shape[0])
 
 
+@torch.no_grad()
 def prompt_log_probs(model, hidden: torch.Tensor, prompt: PromptRows, top_n: int, tp_group, tp_size: int,
                      vocab: int) -> torch.Tensor:
     """The rows' log-probs packed as :func:`~tknp_megatron.sampling.pack_log_probs` packs
