@@ -352,6 +352,19 @@ def test_a_legacy_torch_format_checkpoint_is_refused_naming_megatrons_conversion
     assert "--ckpt-convert-format torch_dist --ckpt-convert-save DIR" in message
 
 
+def test_a_zarr_backend_checkpoint_is_refused_naming_the_backend(tmp_path):
+    """Older Megatron and NeMo checkpoints (Nemotron-4 340B's release) store their tensors with
+    the zarr backend, which megatron-core 0.16 and later no longer read: one line saying so."""
+    from tknp_megatron.models.source import SourceError, resolve_source
+
+    (tmp_path / "metadata.json").write_text(json.dumps({"sharded_backend": "zarr", "sharded_backend_version": 1,
+                                                        "common_backend": "torch", "common_backend_version": 1}))
+    torch.save({"args": megatron_lm_args({**TINY, "vocab_size": 256})}, tmp_path / "common.pt")
+    with pytest.raises(SourceError) as err:
+        resolve_source(load=str(tmp_path))
+    assert "a zarr-backend distributed checkpoint, which megatron-core 0.16 and later no longer read" in str(err.value)
+
+
 def _refusal(load, **config) -> str:
     from tknp_megatron.models.source import SourceError, resolve_source
 

@@ -277,7 +277,12 @@ def _short_files(path: Path) -> List[str]:
 
     from torch.distributed.checkpoint import FileSystemReader
 
-    if json.loads((path / "metadata.json").read_text()).get("sharded_backend") != "torch_dist":
+    backend = json.loads((path / "metadata.json").read_text()).get("sharded_backend")
+    if backend == "zarr":  # older Megatron and NeMo checkpoints (Nemotron-4 340B's release among them)
+        return [f"{path}: a zarr-backend distributed checkpoint, which megatron-core 0.16 and later no longer "
+                "read; megatron-core 0.15 or older (with the zarr package) rewrites it as torch_dist "
+                "(Megatron-LM's --ckpt-convert-format torch_dist)"]
+    if backend != "torch_dist":
         return []
 
     needed: Dict[str, int] = {}
