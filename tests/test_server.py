@@ -616,9 +616,34 @@ def chat_server(tmp_path_factory):
                                       add_bias_linear=False)))
     s = Server("--pools", "1", "--nodes", "2", "--tp", "1", "--model-config", str(config), "--tokenizer", str(folder),
                "--idle-tick", "0.5")
+    s.tokenizer_folder = folder
     yield s, ids
     if s.proc.poll() is None:
         s.kill()
+
+
+def test_the_legacy_api_with_a_tokenizer_folder(chat_server):
+    """``PUT /api`` with text a real tokenizer encodes: the prompt's ids (with ``add_BOS``,
+    the tokenizer's BOS first) followed by the greedy tokens that ``/v1/completions`` gives
+    for those ids, the whole sequence's text, and one segment per token."""
+    s, _ = chat_server
+    from tknp_megatron.models.tokenizer import Tokenizer
+
+    tok = Tokenizer(s.tokenizer_folder)
+    reply = requests.put(s.url + "/api", timeout=120, json=dict(prompts=["the quick model decodes"],
+                                                                tokens_to_generate=5, top_k=1, add_BOS=True))
+    assert reply.status_code == 200, reply.text
+    tokens = reply.json()["tokens"][0]
+    ids = tok.tokenize("the quick model decodes")
+    assert tok.bos is not None and tokens[: len(ids) + 1] == [tok.bos] + ids and len(tokens) <= len(ids) + 6
+    plain = requests.post(s.url + "/v1/completions", timeout=120,
+                          json=dict(prompt=[tok.bos] + ids, max_tokens=5, temperature=0)).json()["choices"][0]
+    if "generation_token_ids" in plain:  # 0.17+; 0.16 answers the text alone
+        assert tokens[len(ids) + 1:] == plain["generation_token_ids"]
+    else:
+        assert tok.detokenize(tokens[len(ids) + 1:]) == plain["text"]
+    assert reply.json()["text"] == [tok.detokenize(tokens)]
+    assert reply.json()["segments"] == [[tok.detokenize([t]) for t in tokens]]
 
 
 def test_chat_completions_apply_the_tokenizers_chat_template(chat_server):
