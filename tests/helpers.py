@@ -219,7 +219,7 @@ def convert_and_run(rank, world, hf_dir, out_dir, ids):
 
 # ---------------------------------------------------------------- Megatron checkpoints
 def save_gpt_checkpoint(preset, tp: int, ckpt_dir: str, seed: Optional[int],
-                        vocab_rows: Optional[int] = None, lm_args=None) -> None:
+                        vocab_rows: Optional[int] = None, lm_args=None, key_prefix: str = "") -> None:
     """Save a Megatron ``GPTModel`` at TP=tp with ``dist_checkpointing`` (``torch_dist``, CPU).
 
     Call on every rank of a ``tp``-rank pool. ``seed``: fill the weights from the seeded
@@ -227,7 +227,8 @@ def save_gpt_checkpoint(preset, tp: int, ckpt_dir: str, seed: Optional[int],
     do not matter (a fast random init). ``vocab_rows``: embedding rows (default Megatron's
     padding). ``lm_args``: lay the checkpoint out as Megatron-LM's training loop does (the
     state under ``"model"`` beside ``args`` and ``iteration`` in ``iter_0001000/``, and the
-    tracker file naming that iteration).
+    tracker file naming that iteration). ``key_prefix``: the model's keys under it, as a model
+    saved through a wrapper module has them (NeMo 2: ``module.``).
     """
     from megatron.core import dist_checkpointing
 
@@ -243,7 +244,7 @@ def save_gpt_checkpoint(preset, tp: int, ckpt_dir: str, seed: Optional[int],
     else:
         for p in model.parameters():
             torch.nn.init.normal_(p, std=0.02)
-    state = model.sharded_state_dict()
+    state = model.sharded_state_dict(key_prefix)
     if lm_args is not None:
         state = {"args": lm_args, "checkpoint_version": 3.0, "iteration": 1000, "model": state}
         Path(ckpt_dir, "latest_checkpointed_iteration.txt").write_text("1000")

@@ -125,21 +125,21 @@ TINY = dict(name="tiny-odd", num_layers=4, hidden_size=64, num_attention_heads=4
             max_sequence_length=512, vocab_size=211)
 
 
-def save_worker(rank, world, config: dict, vocab_rows: int, ckpt_dir: str, lm_args=None):
+def save_worker(rank, world, config: dict, vocab_rows: int, ckpt_dir: str, lm_args=None, key_prefix=""):
     """A seeded Megatron GPTModel at TP=world with ``vocab_rows`` embedding rows (tied
     embeddings if the config says so), saved as a distributed checkpoint."""
     warnings.simplefilter("ignore")
-    save_gpt_checkpoint(preset_from_model_config(config), world, ckpt_dir, SEED, vocab_rows, lm_args)
+    save_gpt_checkpoint(preset_from_model_config(config), world, ckpt_dir, SEED, vocab_rows, lm_args, key_prefix)
 
 
 def _serve(tmp_path: Path, config: dict, vocab_rows: int, nodes: int, tp: int,
-           lm_args=None) -> dict:
+           lm_args=None, key_prefix: str = "") -> dict:
     """Save a checkpoint, then serve it with the main job (with ``--model-config`` unless
     the checkpoint carries Megatron-LM's args)."""
     ckpt, cfg = tmp_path / "ckpt", tmp_path / "model.json"
     ckpt.mkdir()
     cfg.write_text(json.dumps(config))
-    spawn(save_worker, 1, (config, vocab_rows, str(ckpt), lm_args), timeout_s=120)
+    spawn(save_worker, 1, (config, vocab_rows, str(ckpt), lm_args, key_prefix), timeout_s=120)
     out = tmp_path / "out.json"
     source = [] if lm_args is not None else ["--model-config", str(cfg)]
     status, stdout, stderr = run_main_job(
@@ -298,6 +298,22 @@ def test_a_training_checkpoint_megatron_core_0_19_wrote_is_served(tmp_path):
     assert status == 0, stdout + stderr
     report = json.loads(out.read_text())
     assert report["match_reference"] is True and report["completed"] == 6, report
+
+
+@pytest.mark.parametrize("key_prefix", ["module.", "model."])
+def test_a_checkpoint_of_a_model_saved_through_a_wrapper_module(tmp_path, key_prefix):
+    """NeMo 2 saves the model's keys under ``module.`` (its wrapper module's name), NeMo 1
+    under ``model.``: found from the stored keys, checked and served with a --model-config
+    at 2 nodes x TP 2 against the saved model's own forward."""
+    from megatron.core import dist_checkpointing
+
+    from tknp_megatron.models.checkpoint import key_prefix as found_prefix
+
+    report = _serve(tmp_path, TINY, 256, nodes=2, tp=2, key_prefix=key_prefix)
+    assert found_prefix(dist_checkpointing.load_tensors_metadata(str(tmp_path / "ckpt"))) == key_prefix
+    assert report["match_reference"] is True, report
+    assert report["completed"] == 6
+    assert "the model config needs (4, 192, 64)" in _refusal(tmp_path / "ckpt", num_query_groups=4)
 
 
 def test_megatron_checkpoint_with_qk_layernorm(tmp_path):

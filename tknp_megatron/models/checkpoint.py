@@ -44,6 +44,7 @@ from tknp_megatron.models.layer_rounds import LayerRounds, fill_in_rounds_
 __all__ = [
     "checkpoint_padded_vocab_size",
     "checkpoint_problems",
+    "key_prefix",
     "load_megatron_checkpoint",
     "read_checkpoint_args",
     "resolve_checkpoint_dir",
@@ -117,25 +118,36 @@ def load_megatron_checkpoint(model: torch.nn.Module, ckpt_dir: PathLike,
     """
     path = resolve_checkpoint_dir(ckpt_dir)
     nested = _model_nesting(path)
+    prefix = key_prefix(dist_checkpointing.load_tensors_metadata(str(path)))
     if rounds is None:
-        _load_into(model, path, nested)
+        _load_into(model, path, nested, prefix)
         return
     counts = [len(rounds.rounds)]
     if dist.is_initialized() and dist.get_world_size() > 1:
         counts = [None] * dist.get_world_size()
         dist.all_gather_object(counts, len(rounds.rounds))
-    fill_in_rounds_(model, lambda part: _load_into(part, path, nested), rounds, max(counts))
+    fill_in_rounds_(model, lambda part: _load_into(part, path, nested, prefix), rounds, max(counts))
 
 
-def _load_into(model: torch.nn.Module, path: Path, nested: bool) -> None:
+def key_prefix(keys) -> str:
+    """What the checkpoint's model keys start with: nothing for a model Megatron-LM or
+    Megatron-Core saved, ``module.`` for one saved through a wrapper module (NeMo 2's
+    checkpoints), ``model.`` for NeMo 1's; read off where the word embedding is stored."""
+    found = sorted((k for k in keys if k.endswith(_EMBEDDING_KEY) and not k.startswith(_IGNORED_PREFIXES)),
+                   key=len)
+    return found[0][: -len(_EMBEDDING_KEY)] if found else ""
+
+
+def _load_into(model: torch.nn.Module, path: Path, nested: bool, prefix: str = "") -> None:
     """One collective ``dist_checkpointing.load`` of what ``model`` describes (every rank
-    calls it, an empty description included), loaded into ``model``.
+    calls it, an empty description included), loaded into ``model``; ``prefix``: the
+    checkpoint's keys carry it (:func:`key_prefix`).
 
     The request's factories (SwiGLU's split FC1, DCP's head rows) are applied here, as
     Megatron's load would, so that every stacked-layer tensor can be described with its
     layer axis as an explicit axis of size one (:func:`_explicit_layer_axes`).
     """
-    request = _drop_extra_state(model.sharded_state_dict())
+    request = _drop_extra_state(model.sharded_state_dict(prefix))
     resized = _whole_vocab_requests(request, path)
     factories, _ = extract_matching_values(
         request, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True)
@@ -150,6 +162,7 @@ def _load_into(model: torch.nn.Module, path: Path, nested: bool) -> None:
     state = apply_factory_merges(state, factories)
     for name, served in resized.items():
         state[name] = _served_rows(state[name], served)
+    state = {k[len(prefix):]: v for k, v in state.items()}  # the model's own names
     result = model.load_state_dict(state, strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     if missing:
@@ -267,7 +280,9 @@ def checkpoint_problems(ckpt_dir: PathLike, preset) -> List[str]:
         raise ValueError(f"{path}: its metadata does not load ({type(err).__name__}: {err})") from None
     if problems:
         return problems
-    return _layout_problems({k: tuple(v.global_shape) for k, v in meta.items()}, preset)
+    prefix = key_prefix(meta)
+    return _layout_problems({k[len(prefix):] if k.startswith(prefix) else k: tuple(v.global_shape)
+                             for k, v in meta.items()}, preset)
 
 
 def _short_files(path: Path) -> List[str]:
