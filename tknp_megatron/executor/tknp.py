@@ -259,7 +259,7 @@ class TKNPExecutor:
         if top_n >= 0:
             packed = torch.empty(n, 1 + 2 * top_n, dtype=torch.float32, device=self.device)
         prompt_packed = None
-        if prompt is not None:
+        if prompt is not None and self.node != last_root:  # the last root makes its own
             prompt_packed = torch.empty(prompt.count, 1 + 2 * top_n, dtype=torch.float32, device=self.device)
         if self.node == last_root:
             g = self.groups

@@ -121,17 +121,18 @@ def _failure(reply) -> Optional[Tuple[str, bool]]:
 
 def _fields(reply) -> Dict[str, Any]:
     """The generated tokens and log-probs of a completed reply: a 0.16 record (its request's
-    attributes) or a 0.17+ serialized request (a dict, tensors as ``("tensor", list)``)."""
+    attributes) or a 0.17+ serialized request (a dict; Megatron's own
+    ``unwrap_serialized_tensors`` turns its tensors back into lists)."""
     if hasattr(reply, "requests"):
         request = reply.requests[-1]
         get = lambda name: getattr(request, name, None)  # noqa: E731
     else:
-        get = reply.get
+        from megatron.core.inference.inference_request import unwrap_serialized_tensors
+
+        get = unwrap_serialized_tensors(reply).get
 
     def values(name) -> List:
         value = get(name)
-        if isinstance(value, (list, tuple)) and len(value) == 2 and value[0] == "tensor":
-            value = value[1]
         return [] if value is None else list(value.tolist() if hasattr(value, "tolist") else value)
 
     return dict(tokens=[int(t) for t in values("generated_tokens")], log_probs=values("generated_log_probs"),
